@@ -1,0 +1,18 @@
+"""offload_ext: full CPU offload for training models larger than one GPU."""
+from __future__ import annotations
+
+from ._version import __version__
+from ._info import build_info
+from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
+from .optim import CPUAdamW
+
+__all__ = [
+    "__version__",
+    "build_info",
+    "adamw_step",
+    "get_num_threads",
+    "set_num_threads",
+    "set_simd_level",
+    "supported_simd_level",
+    "CPUAdamW",
+]

@@ -1,0 +1,144 @@
+// AdamW dispatch: derives the per-call constants, picks the ISA, and splits a span into
+// cache-line-aligned chunks for the ThreadPool.
+#include "adamw.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace offload_ext {
+
+namespace {
+
+constexpr int64_t kAlign = 64;                 // elements; keeps chunk starts on cache lines
+constexpr int64_t kMinParallel = int64_t{1} << 16;  // below this, threading costs more than it saves
+constexpr int64_t kMinChunk = int64_t{1} << 15;
+constexpr int64_t kTasksPerThread = 4;         // some slack so a descheduled thread does not stall a step
+
+SimdLevel cpu_simd_level() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return SimdLevel::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::kAvx2;
+#endif
+  return SimdLevel::kScalar;
+}
+
+template <class Fn>
+void for_chunks(int64_t n, ThreadPool& pool, const Fn& fn) {
+  const int64_t threads = pool.num_threads();
+  if (n < kMinParallel || threads == 1) {
+    fn(0, n);
+    return;
+  }
+  const int64_t max_tasks = std::max<int64_t>(1, n / kMinChunk);
+  const int64_t tasks_wanted = std::min(threads * kTasksPerThread, max_tasks);
+  int64_t chunk = (n + tasks_wanted - 1) / tasks_wanted;
+  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+  const int64_t tasks = (n + chunk - 1) / chunk;
+  pool.parallel_for(tasks, [&](int64_t t) {
+    const int64_t begin = t * chunk;
+    fn(begin, std::min(n, begin + chunk));
+  });
+}
+
+}  // namespace
+
+SimdLevel supported_simd_level() {
+  static const SimdLevel level = cpu_simd_level();
+  return level;
+}
+
+SimdLevel parse_simd_level(const char* name) {
+  if (std::strcmp(name, "scalar") == 0) return SimdLevel::kScalar;
+  if (std::strcmp(name, "avx2") == 0) return SimdLevel::kAvx2;
+  if (std::strcmp(name, "avx512") == 0) return SimdLevel::kAvx512;
+  throw std::invalid_argument(std::string("SIMD level must be one of scalar, avx2, avx512; got '") + name + "'");
+}
+
+namespace {
+SimdLevel initial_level() {
+  const char* env = std::getenv("OFFLOAD_EXT_SIMD");
+  const SimdLevel supported = supported_simd_level();
+  return (env && *env) ? std::min(supported, parse_simd_level(env)) : supported;
+}
+std::atomic<int> g_active_level{-1};  // -1: not chosen yet
+}  // namespace
+
+SimdLevel active_simd_level() {
+  int level = g_active_level.load(std::memory_order_relaxed);
+  if (level < 0) {
+    int expected = -1;
+    g_active_level.compare_exchange_strong(expected, static_cast<int>(initial_level()));
+    level = g_active_level.load(std::memory_order_relaxed);
+  }
+  return static_cast<SimdLevel>(level);
+}
+
+void set_simd_level(SimdLevel level) {
+  if (level > supported_simd_level()) {
+    throw std::invalid_argument(std::string("set_simd_level: this CPU supports up to ") +
+                                simd_level_name(supported_simd_level()) + ", not " + simd_level_name(level));
+  }
+  g_active_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+const char* simd_level_name(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512:
+      return "avx512";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+AdamWCoef make_coef(const AdamWHyper& h) {
+  const double step = static_cast<double>(h.step);
+  const double bias_correction1 = 1 - std::pow(h.beta1, step);
+  const double bias_correction2 = 1 - std::pow(h.beta2, step);
+  const float lerp_weight = static_cast<float>(1 - h.beta1);
+  const bool small_weight = std::abs(lerp_weight) < 0.5f;
+  AdamWCoef c;
+  c.decay = static_cast<float>(1 - h.lr * h.weight_decay);
+  c.apply_decay = h.weight_decay != 0;
+  c.lerp_coef = small_weight ? lerp_weight : lerp_weight - 1.0f;
+  c.lerp_from_grad = !small_weight;
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - h.beta2);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(h.eps);
+  c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+  return c;
+}
+
+void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq, int64_t n,
+                const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+  const AdamWCoef c = make_coef(h);
+  auto span = level == SimdLevel::kAvx512 ? adamw_bf16_span_avx512
+              : level == SimdLevel::kAvx2 ? adamw_bf16_span_avx2
+                                          : adamw_bf16_span_scalar;
+  for_chunks(n, pool, [&](int64_t b, int64_t e) {
+    span(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c);
+  });
+}
+
+void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_avg, float* exp_avg_sq,
+                uint16_t* param_out, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+  const AdamWCoef c = make_coef(h);
+  auto span = level == SimdLevel::kAvx512 ? adamw_fp32_span_avx512
+              : level == SimdLevel::kAvx2 ? adamw_fp32_span_avx2
+                                          : adamw_fp32_span_scalar;
+  const size_t grad_size = grad_type == GradType::kBF16 ? 2 : 4;
+  for_chunks(n, pool, [&](int64_t b, int64_t e) {
+    const void* g = static_cast<const char*>(grad) + b * grad_size;
+    span(param + b, g, grad_type, exp_avg + b, exp_avg_sq + b, param_out ? param_out + b : nullptr, e - b, c);
+  });
+}
+
+}  // namespace offload_ext

@@ -1,0 +1,68 @@
+// Fused AdamW over one contiguous span, with torch.optim.AdamW's arithmetic, in three
+// precision modes, SIMD-dispatched at run time and spread over the library's ThreadPool.
+#pragma once
+
+#include <cstdint>
+
+#include "thread_pool.h"
+
+namespace offload_ext {
+
+enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Highest level this CPU supports.
+SimdLevel supported_simd_level();
+// The level the kernels use: the supported one, capped by OFFLOAD_EXT_SIMD=scalar|avx2|avx512 or
+// by set_simd_level (which throws for a level this CPU lacks).
+SimdLevel active_simd_level();
+void set_simd_level(SimdLevel level);
+SimdLevel parse_simd_level(const char* name);
+const char* simd_level_name(SimdLevel level);
+
+struct AdamWHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  int64_t step;  // 1-based step count used for bias correction
+};
+
+// Per-call constants in the precision the kernels compute in, derived exactly as torch's
+// fused CPU AdamW derives them (in double, then rounded once to float).
+struct AdamWCoef {
+  float decay;          // 1 - lr * weight_decay
+  bool apply_decay;     // weight_decay != 0
+  float lerp_coef;      // exp_avg.lerp_(grad, 1 - beta1), as fma(coef, grad - m, base)
+  bool lerp_from_grad;  // base is grad (weight >= 0.5) instead of exp_avg
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+AdamWCoef make_coef(const AdamWHyper& h);
+
+enum class GradType { kBF16, kFP32 };
+
+// "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32.
+void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
+
+// "mixed" and "fp32" modes: fp32 master param and states, grad bf16 or fp32; when param_out is
+// not null the updated param is also written there rounded to bf16 in the same pass.
+void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_avg, float* exp_avg_sq,
+                uint16_t* param_out, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
+
+// Per-ISA span kernels, each defined in its own translation unit compiled for that ISA.
+#define OFFLOAD_EXT_DECLARE_SPANS(isa)                                                              \
+  void adamw_bf16_span_##isa(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t n, \
+                             const AdamWCoef& c);                                                  \
+  void adamw_fp32_span_##isa(float* p, const void* g, GradType gt, float* m, float* v,            \
+                             uint16_t* out, int64_t n, const AdamWCoef& c);
+OFFLOAD_EXT_DECLARE_SPANS(scalar)
+OFFLOAD_EXT_DECLARE_SPANS(avx2)
+OFFLOAD_EXT_DECLARE_SPANS(avx512)
+#undef OFFLOAD_EXT_DECLARE_SPANS
+
+}  // namespace offload_ext

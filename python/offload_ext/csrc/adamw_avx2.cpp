@@ -1,0 +1,48 @@
+// AdamW span kernels for AVX2+FMA (8 floats a vector). Only this file is compiled for AVX2;
+// the dispatcher calls it after checking the CPU at run time.
+#include <cstdint>
+
+#include "adamw.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "adamw_kernel.h"
+
+namespace offload_ext {
+namespace {
+
+struct Avx2Vec {
+  using F = __m256;
+  static constexpr int W = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load_f32(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_f32(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F load_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    // packus works per 128-bit lane; the permute gathers both lanes' halves into the low lane.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+}  // namespace
+}  // namespace offload_ext
+
+OFFLOAD_EXT_DEFINE_SPANS(avx2, Avx2Vec)
+#pragma GCC pop_options

@@ -1,0 +1,45 @@
+// AdamW span kernels for AVX-512F (16 floats a vector). Only this file is compiled for
+// AVX-512; the dispatcher calls it after checking the CPU at run time.
+#include <cstdint>
+
+#include "adamw.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "adamw_kernel.h"
+
+namespace offload_ext {
+namespace {
+
+struct Avx512Vec {
+  using F = __m512;
+  static constexpr int W = 16;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_f32(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+}  // namespace
+}  // namespace offload_ext
+
+OFFLOAD_EXT_DEFINE_SPANS(avx512, Avx512Vec)
+#pragma GCC pop_options

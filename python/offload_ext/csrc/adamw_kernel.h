@@ -1,0 +1,136 @@
+// The AdamW span loops, written once over a vector type V and compiled per ISA by the
+// adamw_<isa>.cpp files. Everything here has internal linkage: each ISA's copy stays in its
+// own translation unit, so no AVX-512 instance can leak into code that runs on older CPUs.
+// The arithmetic follows torch's fused CPU AdamW operation for operation, including where its
+// compiler fuses a multiply-add, so results match it bit for bit (the build uses -ffp-contract=off
+// so that only the fmas written here exist).
+#pragma once
+
+#include <cstdint>
+
+#include "adamw.h"
+
+namespace offload_ext {
+namespace {
+
+inline uint16_t bf16_round_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16 does
+  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct ScalarVec {
+  using F = float;
+  static constexpr int W = 1;
+  static F set1(float x) { return x; }
+  static F load_f32(const float* p) { return *p; }
+  static void store_f32(float* p, F x) { *p = x; }
+  static F load_bf16(const uint16_t* p) {
+    const uint32_t u = static_cast<uint32_t>(*p) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+  static void store_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return __builtin_sqrtf(a); }
+  static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+};
+
+template <class V>
+inline void adamw_update(typename V::F& p, typename V::F g, typename V::F& m, typename V::F& v,
+                         const AdamWCoef& c) {
+  using F = typename V::F;
+  if (c.apply_decay) p = V::mul(p, V::set1(c.decay));
+  const F base = c.lerp_from_grad ? g : m;
+  m = V::fmadd(V::set1(c.lerp_coef), V::sub(g, m), base);
+  // torch's build contracts `v * beta2 + (1 - beta2) * g * g` into this one fma; matching it keeps
+  // exp_avg_sq bit-identical to torch's fused AdamW.
+  v = V::fmadd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(v, V::set1(c.beta2)));
+  const F denom = V::add(V::div(V::sqrt(v), V::set1(c.bias_correction2_sqrt)), V::set1(c.eps));
+  p = V::add(p, V::div(V::mul(V::set1(c.neg_step_size), m), denom));
+}
+
+// Each loop runs whole vectors from `i` and returns where it stopped; the scalar instance
+// finishes the tail with identical arithmetic.
+template <class V>
+inline int64_t bf16_loop(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t i, int64_t n,
+                         const AdamWCoef& c) {
+  for (; i + V::W <= n; i += V::W) {
+    auto P = V::load_bf16(p + i);
+    auto M = V::load_bf16(m + i);
+    auto S = V::load_bf16(v + i);
+    adamw_update<V>(P, V::load_bf16(g + i), M, S, c);
+    V::store_bf16(p + i, P);
+    V::store_bf16(m + i, M);
+    V::store_bf16(v + i, S);
+  }
+  return i;
+}
+
+template <class V, bool kGradBF16, bool kOut>
+inline int64_t fp32_loop(float* p, const void* g, float* m, float* v, uint16_t* out, int64_t i, int64_t n,
+                         const AdamWCoef& c) {
+  for (; i + V::W <= n; i += V::W) {
+    auto P = V::load_f32(p + i);
+    auto M = V::load_f32(m + i);
+    auto S = V::load_f32(v + i);
+    auto G = kGradBF16 ? V::load_bf16(static_cast<const uint16_t*>(g) + i)
+                       : V::load_f32(static_cast<const float*>(g) + i);
+    adamw_update<V>(P, G, M, S, c);
+    V::store_f32(p + i, P);
+    V::store_f32(m + i, M);
+    V::store_f32(v + i, S);
+    if (kOut) V::store_bf16(out + i, P);
+  }
+  return i;
+}
+
+template <class V>
+inline void bf16_span(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t n, const AdamWCoef& c) {
+  const int64_t i = bf16_loop<V>(p, g, m, v, 0, n, c);
+  bf16_loop<ScalarVec>(p, g, m, v, i, n, c);
+}
+
+template <class V, bool kGradBF16, bool kOut>
+inline void fp32_span_impl(float* p, const void* g, float* m, float* v, uint16_t* out, int64_t n,
+                           const AdamWCoef& c) {
+  const int64_t i = fp32_loop<V, kGradBF16, kOut>(p, g, m, v, out, 0, n, c);
+  fp32_loop<ScalarVec, kGradBF16, kOut>(p, g, m, v, out, i, n, c);
+}
+
+template <class V>
+inline void fp32_span(float* p, const void* g, GradType gt, float* m, float* v, uint16_t* out, int64_t n,
+                      const AdamWCoef& c) {
+  const bool bf16_grad = gt == GradType::kBF16;
+  if (bf16_grad && out) {
+    fp32_span_impl<V, true, true>(p, g, m, v, out, n, c);
+  } else if (bf16_grad) {
+    fp32_span_impl<V, true, false>(p, g, m, v, out, n, c);
+  } else if (out) {
+    fp32_span_impl<V, false, true>(p, g, m, v, out, n, c);
+  } else {
+    fp32_span_impl<V, false, false>(p, g, m, v, out, n, c);
+  }
+}
+
+}  // namespace
+}  // namespace offload_ext
+
+// Defines the two exported span entry points of one ISA on top of vector type VEC.
+#define OFFLOAD_EXT_DEFINE_SPANS(isa, VEC)                                                              \
+  namespace offload_ext {                                                                               \
+  void adamw_bf16_span_##isa(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t n,       \
+                             const AdamWCoef& c) {                                                      \
+    bf16_span<VEC>(p, g, m, v, n, c);                                                                   \
+  }                                                                                                     \
+  void adamw_fp32_span_##isa(float* p, const void* g, GradType gt, float* m, float* v, uint16_t* out,  \
+                             int64_t n, const AdamWCoef& c) {                                           \
+    fp32_span<VEC>(p, g, gt, m, v, out, n, c);                                                          \
+  }                                                                                                     \
+  }

@@ -1,0 +1,143 @@
+// ThreadPool implementation and the process-wide pool the kernels share.
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace offload_ext {
+
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+  if (num_threads < 1) {
+    throw std::invalid_argument("ThreadPool: num_threads must be >= 1, got " + std::to_string(num_threads));
+  }
+  workers_.reserve(num_threads - 1);
+  for (int i = 0; i < num_threads - 1; ++i) {
+    workers_.emplace_back([this, i] { worker_main(i); });
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::run_tasks() {
+  for (;;) {
+    const int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
+    if (task >= num_tasks_) return;
+    try {
+      (*job_)(task);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+}
+
+void ThreadPool::worker_main(int index) {
+  if (!cpus_.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus_[index % cpus_.size()], &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+    }
+    run_tasks();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--busy_workers_ == 0) done_cv_.notify_one();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+  if (num_tasks <= 0) return;
+  std::lock_guard<std::mutex> run_lock(run_mutex_);
+  if (workers_.empty() || num_tasks == 1) {
+    for (int64_t t = 0; t < num_tasks; ++t) fn(t);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = &fn;
+    num_tasks_ = num_tasks;
+    next_task_.store(0, std::memory_order_relaxed);
+    busy_workers_ = static_cast<int>(workers_.size());
+    error_ = nullptr;
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  run_tasks();
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return busy_workers_ == 0; });
+    job_ = nullptr;
+    error = error_;
+    error_ = nullptr;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    }
+  }
+  if (cpus.empty()) {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n; ++c) cpus.push_back(static_cast<int>(c));
+  }
+  return cpus;
+}
+
+int default_num_threads() {
+  return std::max(1, static_cast<int>(allowed_cpus().size()) - 1);
+}
+
+namespace {
+std::mutex g_pool_mutex;
+std::shared_ptr<ThreadPool> g_pool;  // guarded by g_pool_mutex
+}  // namespace
+
+std::shared_ptr<ThreadPool> global_pool() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (!g_pool) g_pool = std::make_shared<ThreadPool>(default_num_threads());
+  return g_pool;
+}
+
+void set_global_pool(int num_threads, bool pin) {
+  if (num_threads < 1) {
+    throw std::invalid_argument("set_num_threads: expected a thread count >= 1, got " + std::to_string(num_threads));
+  }
+  std::vector<int> cpus;
+  if (pin) {
+    const std::vector<int> all = allowed_cpus();
+    // Workers are num_threads - 1; take them from the top so the lowest CPU stays free.
+    const int workers = num_threads - 1;
+    const int take = std::min<int>(workers, static_cast<int>(all.size()) - 1);
+    for (int i = 0; i < take; ++i) cpus.push_back(all[all.size() - 1 - i]);
+  }
+  auto pool = std::make_shared<ThreadPool>(num_threads, std::move(cpus));
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  g_pool = std::move(pool);
+}
+
+}  // namespace offload_ext

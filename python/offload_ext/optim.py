@@ -1,0 +1,130 @@
+"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+
+from .ops import adamw_step
+
+_SUPPORTED = (torch.float32, torch.bfloat16)
+_FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def _check_param(p: torch.Tensor) -> None:
+    if p.device.type != "cpu":
+        raise ValueError(f"CPUAdamW: parameters must live on the CPU, got one on {p.device}; "
+                         "use torch.optim.AdamW(fused=True) for GPU parameters")
+    if p.dtype not in _SUPPORTED:
+        raise ValueError(f"CPUAdamW: parameters must be float32 or bfloat16, got {p.dtype}")
+    if not p.is_contiguous():
+        raise ValueError("CPUAdamW: parameters must be contiguous (the kernel steps flat spans); "
+                         "make them contiguous before building the optimizer, e.g. p.data = p.data.contiguous()")
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """Drop-in for torch.optim.AdamW on CPU parameters (amsgrad=False, maximize=False).
+
+    `master_weights=True` keeps an fp32 master copy and fp32 moments for bf16 parameters: the kernel
+    updates the master and writes the rounded bf16 value into the parameter in the same pass.
+    State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        master_weights: bool = False,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                _check_param(p)
+
+    @staticmethod
+    def _uses_master(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return bool(group["master_weights"]) and p.dtype == torch.bfloat16
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if self._uses_master(p, group):
+                state["master_param"] = p.detach().to(torch.float32, copy=True)
+                like = state["master_param"]
+            else:
+                like = p.detach()
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("CPUAdamW does not support sparse gradients")
+                grad = p.grad.detach()
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                state = self._init_state(p, group)
+                state["step"] += 1
+                master = state.get("master_param")
+                adamw_step(
+                    master if master is not None else p.detach(),
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    param_out=p.detach() if master is not None else None,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(state["step"].item()),
+                )
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every loaded state tensor to its parameter's dtype; master-weight states
+        # must stay fp32, so they are restored from the originals afterwards.
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        fp32_states: dict[int, dict[str, torch.Tensor]] = {}
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            for index, p in zip(saved_group["params"], group["params"]):
+                if index in saved_state and self._uses_master(p, {**group, **saved_group}):
+                    fp32_states[id(p)] = {k: v for k, v in saved_state[index].items() if k in _FP32_STATES}
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key, value in fp32_states.get(id(p), {}).items():
+                    state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                for key in _FP32_STATES:
+                    if key in state and not state[key].is_contiguous():
+                        state[key] = state[key].contiguous()

@@ -1,0 +1,27 @@
+"""Shared test fixtures: the kernel settings are process-wide, so tests restore them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload_ext
+
+
+@pytest.fixture
+def restore_kernel_settings():
+    threads = offload_ext.get_num_threads()
+    level = offload_ext.build_info()["simd"]
+    yield
+    offload_ext.set_num_threads(threads)
+    offload_ext.set_simd_level(level)
+
+
+def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable bf16 values lie between a and b, elementwise (0 = identical)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        # Map sign-magnitude bit patterns onto a monotonic integer line.
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()

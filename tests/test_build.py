@@ -1,0 +1,33 @@
+"""build_info() reports what was built; CI (OFFLOAD_EXT_EXPECT_CUDA=1) insists the CUDA parts were."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import offload_ext
+
+
+def test_build_info_reports_version_torch_simd_and_threads() -> None:
+    info = offload_ext.build_info()
+    assert info["version"] == offload_ext.__version__
+    assert info["native"] is True
+    assert info["torch_built_against"] == torch.__version__.split("+")[0]
+    assert info["simd"] in ("scalar", "avx2", "avx512")
+    assert info["num_threads"] == offload_ext.get_num_threads() >= 1
+    assert isinstance(info["cuda"], bool)
+
+
+@pytest.mark.skipif(os.environ.get("OFFLOAD_EXT_EXPECT_CUDA") != "1", reason="set by CI, which builds with CUDA")
+def test_cuda_parts_were_compiled() -> None:
+    info = offload_ext.build_info()
+    assert info["cuda"] is True, info
+    assert info["cuda_runtime_compiled"] == torch.version.cuda
+
+
+def test_default_thread_count_leaves_a_core_free() -> None:
+    from offload_ext._ext import native
+
+    usable = len(os.sched_getaffinity(0))
+    assert native().default_num_threads() == max(1, usable - 1)
