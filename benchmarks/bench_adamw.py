@@ -1,0 +1,206 @@
+"""A1: fused CPU AdamW over 973 M parameters in Llama-3.2-1B layer shapes, native vs torch vs DeepSpeed.
+
+Every precision mode of offload_ext's kernel against torch's fused AdamW (bf16; fp32; fp32 with the casts
+that mixed precision needs) and DeepSpeed's CPUAdam when importable, with a host memory-bandwidth line
+measured in the same run. `--scale` shrinks every layer for small machines.
+
+    python benchmarks/bench_adamw.py                 # the full A1 workload
+    python benchmarks/bench_adamw.py --scale 0.05    # a 2-core CI-sized machine
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import _common  # noqa: E402  (sets nothing global; imports torch)
+
+
+def _parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="threads for every implementation (default: all usable CPUs)")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each layer's parameters (default 1.0)")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=7, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--stem", default=None, help="result file name stem (default adamw_<threads>t_scale<scale>)")
+    return ap.parse_args()
+
+
+ARGS = _parse()
+os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))  # DeepSpeed's CPUAdam threads with OpenMP
+
+import torch  # noqa: E402
+
+import offload_ext  # noqa: E402
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def layer_numel(a: argparse.Namespace) -> int:
+    h, kv = a.hidden, a.kv_heads * a.head_dim
+    full = 2 * h * h + 2 * h * kv + 3 * h * a.intermediate + 2 * h
+    return max(1, int(full * a.scale))
+
+
+def random_layers(n: int, layers: int, dtype: torch.dtype, positive: bool = False) -> list[torch.Tensor]:
+    """`layers` distinct buffers of random values (one random draw, copied: cheap to make)."""
+    src = torch.randn(n, generator=torch.Generator().manual_seed(layers + n))
+    if positive:
+        src = src.abs_().mul_(1e-4)
+    src = src.to(dtype)
+    return [src.clone() for _ in range(layers)]
+
+
+def zeros_layers(n: int, layers: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.zeros(n, dtype=dtype) for _ in range(layers)]
+
+
+# Bytes each parameter moves through host memory per step (reads + writes).
+BYTES = {"bf16": 14, "mixed": 28, "fp32": 28, "torch_fp32_cast": 34, "torch_fp32_casts": 40}
+
+
+def native_step(mode: str, n: int, layers: int) -> Callable[[], None]:
+    if mode == "bf16":
+        p, g = random_layers(n, layers, torch.bfloat16), random_layers(n, layers, torch.bfloat16)
+        m, v = random_layers(n, layers, torch.bfloat16), random_layers(n, layers, torch.bfloat16, positive=True)
+        out = [None] * layers
+    else:
+        p = random_layers(n, layers, torch.float32)
+        g = random_layers(n, layers, torch.bfloat16 if mode == "mixed" else torch.float32)
+        m, v = random_layers(n, layers, torch.float32), random_layers(n, layers, torch.float32, positive=True)
+        out = zeros_layers(n, layers, torch.bfloat16) if mode == "mixed" else [None] * layers
+    state = {"step": 0}
+
+    def run() -> None:
+        state["step"] += 1
+        for i in range(layers):
+            offload_ext.adamw_step(p[i], g[i], m[i], v[i], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                   weight_decay=WD, step=state["step"], param_out=out[i])
+    return run
+
+
+def torch_step(dtype: torch.dtype, n: int, layers: int, casts: int = 0) -> Callable[[], None]:
+    """torch fused AdamW; casts=1 adds the fp32->bf16 param cast, casts=2 also the bf16->fp32 grad cast."""
+    params = [torch.nn.Parameter(t) for t in random_layers(n, layers, dtype)]
+    for p, g in zip(params, random_layers(n, layers, dtype)):
+        p.grad = g
+    bf16_grads = random_layers(n, layers, torch.bfloat16) if casts >= 2 else []
+    outs = zeros_layers(n, layers, torch.bfloat16) if casts >= 1 else []
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+
+    def run() -> None:
+        for p, g16 in zip(params, bf16_grads):
+            p.grad.copy_(g16)
+        opt.step()
+        for p, o in zip(params, outs):
+            o.copy_(p.detach())
+    return run
+
+
+def deepspeed_step(dtype: torch.dtype, n: int, layers: int) -> Callable[[], None]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    params = [torch.nn.Parameter(t) for t in random_layers(n, layers, dtype)]
+    for p, g in zip(params, random_layers(n, layers, dtype)):
+        p.grad = g
+    opt = DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True,
+                           fp32_optimizer_states=dtype == torch.float32)
+    return opt.step
+
+
+def memory_bandwidth_gbs(threads: int) -> float:
+    """Host copy bandwidth with torch's threads: bytes read + written per second over 2 GiB buffers."""
+    a = torch.randn(1 << 29)
+    b = torch.empty_like(a)
+    sec = _common.median_seconds(lambda: b.copy_(a), steps=7, warmup=2)
+    return 2 * a.numel() * 4 / sec / 1e9
+
+
+def main() -> None:
+    torch.set_num_threads(ARGS.threads)
+    offload_ext.set_num_threads(ARGS.threads)
+    n, layers = layer_numel(ARGS), ARGS.layers
+    total = n * layers
+    print(f"A1: {layers} layers x {n:,} params = {total / 1e6:.1f} M params, {ARGS.threads} threads, "
+          f"offload_ext {offload_ext.build_info()['simd']}", flush=True)
+
+    rows: list[dict] = []
+
+    def measure(name: str, kind: str, make: Callable[[], Callable[[], None]]) -> None:
+        try:
+            fn = make()
+            sec = _common.median_seconds(fn, ARGS.steps, ARGS.warmup)
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            print(f"  {name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", flush=True)
+            rows.append({"name": name, "kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            return
+        finally:
+            fn = None  # noqa: F841  (free the buffers before the next workload)
+        gps = total / sec / 1e9
+        row = {"name": name, "kind": kind, "seconds": sec, "gparams_per_s": gps, "gb_per_s": gps * BYTES[kind]}
+        rows.append(row)
+        print(f"  {name:44s} {sec:8.4f} s  {gps:6.2f} Gparam/s  {row['gb_per_s']:6.1f} GB/s", flush=True)
+
+    bw = memory_bandwidth_gbs(ARGS.threads)
+    print(f"  host copy bandwidth (torch, read+write)      {bw:6.1f} GB/s", flush=True)
+    measure("native bf16", "bf16", lambda: native_step("bf16", n, layers))
+    measure("native mixed (bf16 grad in, bf16 param out)", "mixed", lambda: native_step("mixed", n, layers))
+    measure("native fp32", "fp32", lambda: native_step("fp32", n, layers))
+    measure("torch fused bf16", "bf16", lambda: torch_step(torch.bfloat16, n, layers))
+    measure("torch fused fp32", "fp32", lambda: torch_step(torch.float32, n, layers))
+    measure("torch fused fp32 + bf16 param cast", "torch_fp32_cast",
+            lambda: torch_step(torch.float32, n, layers, casts=1))
+    measure("torch fused fp32 + grad and param casts", "torch_fp32_casts",
+            lambda: torch_step(torch.float32, n, layers, casts=2))
+    if not ARGS.no_deepspeed:
+        measure("DeepSpeed CPUAdam bf16/bf16", "bf16", lambda: deepspeed_step(torch.bfloat16, n, layers))
+        measure("DeepSpeed CPUAdam fp32", "fp32", lambda: deepspeed_step(torch.float32, n, layers))
+
+    by_name = {r["name"]: r for r in rows if "seconds" in r}
+
+    def ratio(ours: str, peer: str) -> float | None:
+        if ours in by_name and peer in by_name:
+            return by_name[peer]["seconds"] / by_name[ours]["seconds"]
+        return None
+
+    comparisons = [
+        ("native bf16", "torch fused bf16"),
+        ("native bf16", "DeepSpeed CPUAdam bf16/bf16"),
+        ("native mixed (bf16 grad in, bf16 param out)", "torch fused fp32 + bf16 param cast"),
+        ("native mixed (bf16 grad in, bf16 param out)", "torch fused fp32 + grad and param casts"),
+        ("native mixed (bf16 grad in, bf16 param out)", "DeepSpeed CPUAdam fp32"),
+        ("native fp32", "torch fused fp32"),
+        ("native fp32", "DeepSpeed CPUAdam fp32"),
+    ]
+    ratios = [{"ours": a, "peer": b, "speedup": ratio(a, b)} for a, b in comparisons if ratio(a, b) is not None]
+
+    lines = [f"A1: {layers} layers x {n:,} = {total / 1e6:.1f} M params, {ARGS.threads} threads, "
+             f"SIMD {offload_ext.build_info()['simd']}; host copy bandwidth {bw:.1f} GB/s (read+write)", "",
+             "| implementation | s/step | Gparam/s | GB/s |", "|---|---:|---:|---:|"]
+    for r in rows:
+        if "seconds" in r:
+            lines.append(f"| {r['name']} | {r['seconds']:.4f} | {r['gparams_per_s']:.2f} | {r['gb_per_s']:.1f} |")
+        else:
+            lines.append(f"| {r['name']} | unavailable: {r['error'][:80]} | | |")
+    lines += ["", "| ours | peer | speedup (peer time / ours) |", "|---|---|---:|"]
+    lines += [f"| {r['ours']} | {r['peer']} | {r['speedup']:.2f}x |" for r in ratios]
+    markdown = "\n".join(lines)
+    print("\n" + markdown)
+    stem = ARGS.stem or f"adamw_{ARGS.threads}t_scale{ARGS.scale:g}"
+    payload = {"workload": {"layers": layers, "params_per_layer": n, "total_params": total, "threads": ARGS.threads,
+                            "simd": offload_ext.build_info()["simd"]},
+               "host_copy_gb_per_s": bw, "rows": rows, "ratios": ratios}
+    for path in _common.write_results(stem, payload, markdown):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
+# benchmarks, writing logs and results under $OUT. Steps: build test adamw (default: all of them).
+#   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/offload_ext_out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test adamw)
+status=0
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure, remember it
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+# Python packages the GPU image lacks travel as wheels in .whl/ (see README, "Benchmarks").
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+    .whl/deepspeed-*.tar.gz > "$OUT/deepspeed_install.log" 2>&1 || echo "DeepSpeed install failed (see log)"
+  export PYTHONPATH=/tmp/site
+fi
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
+    test) run test python3 -m pytest -q -rs tests ;;
+    adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status
