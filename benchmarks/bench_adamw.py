@@ -30,6 +30,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=7, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--tune", action="store_true",
+                    help="instead of A1: sweep native thread count, prefetch distance and non-temporal output")
     ap.add_argument("--stem", default=None, help="result file name stem (default adamw_<threads>t_scale<scale>)")
     return ap.parse_args()
 
@@ -124,6 +126,36 @@ def memory_bandwidth_gbs(threads: int) -> float:
     return 2 * a.numel() * 4 / sec / 1e9
 
 
+def tune(n: int, layers: int) -> None:
+    """Native bf16 and mixed over threads x prefetch x non-temporal output, one line each."""
+    total = n * layers
+    rows = []
+    max_threads = ARGS.threads
+    thread_counts = sorted({max(1, max_threads // 2), max(1, max_threads * 3 // 4), max(1, max_threads - 1),
+                            max_threads})
+    for mode in ("bf16", "mixed"):
+        step = native_step(mode, n, layers)
+        for threads in thread_counts:
+            offload_ext.set_num_threads(threads)
+            for prefetch in (0, 128, 512):
+                for stream_out in (False, True):
+                    if mode == "bf16" and stream_out:
+                        continue  # bf16 mode has no separate output
+                    offload_ext.ops.native().set_memory_tuning(prefetch, stream_out)
+                    sec = _common.median_seconds(step, ARGS.steps, ARGS.warmup)
+                    row = {"mode": mode, "threads": threads, "prefetch": prefetch, "stream_out": stream_out,
+                           "seconds": sec, "gparams_per_s": total / sec / 1e9}
+                    rows.append(row)
+                    print(f"  {mode:6s} threads {threads:3d} prefetch {prefetch:4d} stream_out {stream_out!s:5s} "
+                          f"{sec:.4f} s {row['gparams_per_s']:.2f} Gparam/s", flush=True)
+        step = None
+    lines = ["| mode | threads | prefetch | stream_out | s/step | Gparam/s |", "|---|---:|---:|---|---:|---:|"]
+    lines += [f"| {r['mode']} | {r['threads']} | {r['prefetch']} | {r['stream_out']} | {r['seconds']:.4f} | "
+              f"{r['gparams_per_s']:.2f} |" for r in rows]
+    for path in _common.write_results(ARGS.stem or f"adamw_tune_{ARGS.threads}t", {"rows": rows}, "\n".join(lines)):
+        print(f"wrote {path}")
+
+
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
     offload_ext.set_num_threads(ARGS.threads)
@@ -132,6 +164,9 @@ def main() -> None:
     print(f"A1: {layers} layers x {n:,} params = {total / 1e6:.1f} M params, {ARGS.threads} threads, "
           f"offload_ext {offload_ext.build_info()['simd']}", flush=True)
 
+    if ARGS.tune:
+        tune(n, layers)
+        return
     rows: list[dict] = []
 
     def measure(name: str, kind: str, make: Callable[[], Callable[[], None]]) -> None:

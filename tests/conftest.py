@@ -9,11 +9,14 @@ import offload_ext
 
 @pytest.fixture
 def restore_kernel_settings():
+    native = offload_ext.ops.native()
     threads = offload_ext.get_num_threads()
     level = offload_ext.build_info()["simd"]
+    tuning = native.memory_tuning()
     yield
     offload_ext.set_num_threads(threads)
     offload_ext.set_simd_level(level)
+    native.set_memory_tuning(*tuning)
 
 
 def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,29 @@ def test_every_simd_level_gives_identical_results() -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("restore_kernel_settings")
+def test_memory_tuning_never_changes_results() -> None:
+    native = offload_ext.ops.native()
+    native.set_memory_tuning(0, False)
+    plain = _run_modes(100_003)
+    native.set_memory_tuning(256, True)
+    tuned = _run_modes(100_003)
+    for a, b in zip(plain, tuned):
+        assert torch.equal(a, b)
+
+
+def test_unaligned_param_out_is_written_exactly() -> None:
+    n = 70_001
+    master = torch.randn(n)
+    g = torch.randn(n).bfloat16()
+    m, v = torch.zeros(n), torch.zeros(n)
+    backing = torch.full((n + 1,), float("nan"), dtype=torch.bfloat16)
+    out = backing[1:]  # 2 bytes off the allocation's alignment: no non-temporal stores possible
+    offload_ext.adamw_step(master, g, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                           step=1, param_out=out)
+    assert torch.equal(out, master.bfloat16())
+
+
 def test_unsupported_simd_level_is_refused(restore_kernel_settings) -> None:
     with pytest.raises(ValueError, match="one of scalar, avx2, avx512"):
         offload_ext.set_simd_level("sse9")

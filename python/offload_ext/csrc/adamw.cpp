@@ -79,6 +79,23 @@ SimdLevel active_simd_level() {
   return static_cast<SimdLevel>(level);
 }
 
+namespace {
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  return (env && *env) ? std::strtoll(env, nullptr, 10) : fallback;
+}
+std::atomic<int64_t> g_prefetch{env_int("OFFLOAD_EXT_PREFETCH", 0)};
+std::atomic<bool> g_stream_out{env_int("OFFLOAD_EXT_STREAM_OUT", 1) != 0};
+}  // namespace
+
+MemoryTuning memory_tuning() { return {g_prefetch.load(), g_stream_out.load()}; }
+
+void set_memory_tuning(const MemoryTuning& t) {
+  if (t.prefetch < 0) throw std::invalid_argument("prefetch distance must be >= 0 elements");
+  g_prefetch.store(t.prefetch);
+  g_stream_out.store(t.stream_out);
+}
+
 void set_simd_level(SimdLevel level) {
   if (level > supported_simd_level()) {
     throw std::invalid_argument(std::string("set_simd_level: this CPU supports up to ") +
@@ -114,6 +131,9 @@ AdamWCoef make_coef(const AdamWHyper& h) {
   c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   c.eps = static_cast<float>(h.eps);
   c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+  const MemoryTuning tuning = memory_tuning();
+  c.prefetch = tuning.prefetch;
+  c.stream_out = tuning.stream_out;
   return c;
 }
 

@@ -40,7 +40,20 @@ struct AdamWCoef {
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
+  // Memory tuning, not arithmetic: software-prefetch distance in elements (0 = off), and
+  // whether the write-only bf16 param_out may bypass the cache (non-temporal stores).
+  int64_t prefetch = 0;
+  bool stream_out = false;
 };
+
+// Memory tuning knobs (process-wide, atomic): see AdamWCoef. Defaults come from
+// OFFLOAD_EXT_PREFETCH (elements) and OFFLOAD_EXT_STREAM_OUT (0/1) when set.
+struct MemoryTuning {
+  int64_t prefetch;
+  bool stream_out;
+};
+MemoryTuning memory_tuning();
+void set_memory_tuning(const MemoryTuning& t);
 AdamWCoef make_coef(const AdamWHyper& h);
 
 enum class GradType { kBF16, kFP32 };

@@ -34,6 +34,9 @@ struct ScalarVec {
     return f;
   }
   static void store_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
+  static void stream_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
+  static void fence() {}
+  static void prefetch(const void*) {}
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
@@ -61,7 +64,14 @@ inline void adamw_update(typename V::F& p, typename V::F g, typename V::F& m, ty
 template <class V>
 inline int64_t bf16_loop(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t i, int64_t n,
                          const AdamWCoef& c) {
+  const int64_t pf = c.prefetch;
   for (; i + V::W <= n; i += V::W) {
+    if (pf) {
+      V::prefetch(p + i + pf);
+      V::prefetch(g + i + pf);
+      V::prefetch(m + i + pf);
+      V::prefetch(v + i + pf);
+    }
     auto P = V::load_bf16(p + i);
     auto M = V::load_bf16(m + i);
     auto S = V::load_bf16(v + i);
@@ -73,10 +83,23 @@ inline int64_t bf16_loop(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* 
   return i;
 }
 
-template <class V, bool kGradBF16, bool kOut>
+enum OutMode { kNoOut = 0, kStoreOut = 1, kStreamOut = 2 };
+
+template <class V, bool kGradBF16, int kOut>
 inline int64_t fp32_loop(float* p, const void* g, float* m, float* v, uint16_t* out, int64_t i, int64_t n,
                          const AdamWCoef& c) {
+  const int64_t pf = c.prefetch;
   for (; i + V::W <= n; i += V::W) {
+    if (pf) {
+      V::prefetch(p + i + pf);
+      V::prefetch(m + i + pf);
+      V::prefetch(v + i + pf);
+      if (kGradBF16) {
+        V::prefetch(static_cast<const uint16_t*>(g) + i + pf);
+      } else {
+        V::prefetch(static_cast<const float*>(g) + i + pf);
+      }
+    }
     auto P = V::load_f32(p + i);
     auto M = V::load_f32(m + i);
     auto S = V::load_f32(v + i);
@@ -86,8 +109,10 @@ inline int64_t fp32_loop(float* p, const void* g, float* m, float* v, uint16_t* 
     V::store_f32(p + i, P);
     V::store_f32(m + i, M);
     V::store_f32(v + i, S);
-    if (kOut) V::store_bf16(out + i, P);
+    if (kOut == kStoreOut) V::store_bf16(out + i, P);
+    if (kOut == kStreamOut) V::stream_bf16(out + i, P);
   }
+  if (kOut == kStreamOut) V::fence();
   return i;
 }
 
@@ -97,25 +122,34 @@ inline void bf16_span(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, 
   bf16_loop<ScalarVec>(p, g, m, v, i, n, c);
 }
 
-template <class V, bool kGradBF16, bool kOut>
+template <class V, bool kGradBF16, int kOut>
 inline void fp32_span_impl(float* p, const void* g, float* m, float* v, uint16_t* out, int64_t n,
                            const AdamWCoef& c) {
   const int64_t i = fp32_loop<V, kGradBF16, kOut>(p, g, m, v, out, 0, n, c);
-  fp32_loop<ScalarVec, kGradBF16, kOut>(p, g, m, v, out, i, n, c);
+  fp32_loop<ScalarVec, kGradBF16, kOut == kNoOut ? kNoOut : kStoreOut>(p, g, m, v, out, i, n, c);
+}
+
+template <class V, bool kGradBF16>
+inline void fp32_span_out(float* p, const void* g, float* m, float* v, uint16_t* out, int64_t n,
+                          const AdamWCoef& c) {
+  // Non-temporal stores need the vector store width's alignment.
+  constexpr uintptr_t kOutAlign = V::W * sizeof(uint16_t);
+  if (!out) {
+    fp32_span_impl<V, kGradBF16, kNoOut>(p, g, m, v, out, n, c);
+  } else if (c.stream_out && reinterpret_cast<uintptr_t>(out) % kOutAlign == 0) {
+    fp32_span_impl<V, kGradBF16, kStreamOut>(p, g, m, v, out, n, c);
+  } else {
+    fp32_span_impl<V, kGradBF16, kStoreOut>(p, g, m, v, out, n, c);
+  }
 }
 
 template <class V>
 inline void fp32_span(float* p, const void* g, GradType gt, float* m, float* v, uint16_t* out, int64_t n,
                       const AdamWCoef& c) {
-  const bool bf16_grad = gt == GradType::kBF16;
-  if (bf16_grad && out) {
-    fp32_span_impl<V, true, true>(p, g, m, v, out, n, c);
-  } else if (bf16_grad) {
-    fp32_span_impl<V, true, false>(p, g, m, v, out, n, c);
-  } else if (out) {
-    fp32_span_impl<V, false, true>(p, g, m, v, out, n, c);
+  if (gt == GradType::kBF16) {
+    fp32_span_out<V, true>(p, g, m, v, out, n, c);
   } else {
-    fp32_span_impl<V, false, false>(p, g, m, v, out, n, c);
+    fp32_span_out<V, false>(p, g, m, v, out, n, c);
   }
 }
 

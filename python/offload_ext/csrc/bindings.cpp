@@ -18,7 +18,7 @@ void check_span(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.is_contiguous(), "adamw_step: expected ", name,
               " to be contiguous (the kernel steps one flat span); call .contiguous() on it first");
   TORCH_CHECK(t.numel() == numel, "adamw_step: expected ", name, " to have ", numel,
-              " elements like param, got ", t.numel(), " (shape ", t.sizes(), ")");
+              " elements like param, got ", t.numel());
 }
 
 void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
@@ -122,6 +122,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         offload_ext::set_simd_level(offload_ext::parse_simd_level(name.c_str()));
       }, "Choose the kernels' ISA (scalar, avx2, avx512); at most what the CPU supports.");
   m.def("supported_simd_level", [] { return offload_ext::simd_level_name(offload_ext::supported_simd_level()); });
+  m.def("set_memory_tuning", [](int64_t prefetch, bool stream_out) {
+        offload_ext::set_memory_tuning({prefetch, stream_out});
+      }, py::arg("prefetch"), py::arg("stream_out"),
+      "Kernel memory tuning: software-prefetch distance in elements (0 = off) and non-temporal bf16 output.");
+  m.def("memory_tuning", [] {
+    const auto t = offload_ext::memory_tuning();
+    return py::make_tuple(t.prefetch, t.stream_out);
+  });
   m.def("get_num_threads", [] { return offload_ext::global_pool()->num_threads(); });
   m.def("default_num_threads", &offload_ext::default_num_threads);
   m.def("cuda_device_count", &offload_ext::cuda_device_count,
