@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
-# benchmarks, writing logs and results under $OUT. Steps: build test adamw (default: all of them).
+# benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune (default: build test adamw).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ for step in "${steps[@]}"; do
     build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
     test) run test python3 -m pytest -q -rs tests ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
+    adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

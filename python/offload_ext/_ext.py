@@ -21,10 +21,14 @@ def _say(msg: str) -> None:
 
 def _jit_build() -> ModuleType:
     plan = _build.plan_build(torch.version.cuda)
+    if plan.with_cuda:
+        os.environ["CUDA_HOME"] = plan.cuda_home  # torch.utils.cpp_extension reads it at import
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            # torch would ask the (absent) GPU for its arch; the GPU this targets is a Hopper.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     from torch.utils import cpp_extension
 
     if plan.with_cuda:
-        os.environ.setdefault("CUDA_HOME", plan.cuda_home)
         cpp_extension.CUDA_HOME = plan.cuda_home
     kind = "with CUDA" if plan.with_cuda else "CPU-only"
     _say(f"no ahead-of-time build found; building the extension just-in-time ({kind}: {plan.reason}). "
