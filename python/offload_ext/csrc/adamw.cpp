@@ -84,7 +84,8 @@ int64_t env_int(const char* name, int64_t fallback) {
   const char* env = std::getenv(name);
   return (env && *env) ? std::strtoll(env, nullptr, 10) : fallback;
 }
-std::atomic<int64_t> g_prefetch{env_int("OFFLOAD_EXT_PREFETCH", 0)};
+// 512 elements ahead (1-2 KiB a stream) measured best on the GPU host: see benchmarks/results/adamw_tune_16t.md.
+std::atomic<int64_t> g_prefetch{env_int("OFFLOAD_EXT_PREFETCH", 512)};
 std::atomic<bool> g_stream_out{env_int("OFFLOAD_EXT_STREAM_OUT", 1) != 0};
 }  // namespace
 

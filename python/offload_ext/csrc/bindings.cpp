@@ -13,12 +13,17 @@
 namespace offload_ext {
 namespace {
 
+// Numbers in messages go through std::to_string, not iostreams: see the note in README
+// ("Building on the GPU machine") on the libstdc++ a newer compiler leaves behind.
+std::string num(int64_t x) { return std::to_string(x); }
+std::string num(double x) { return std::to_string(x); }
+
 void check_span(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), "adamw_step: expected ", name, " on the CPU, got a tensor on ", t.device());
   TORCH_CHECK(t.is_contiguous(), "adamw_step: expected ", name,
               " to be contiguous (the kernel steps one flat span); call .contiguous() on it first");
-  TORCH_CHECK(t.numel() == numel, "adamw_step: expected ", name, " to have ", numel,
-              " elements like param, got ", t.numel());
+  TORCH_CHECK(t.numel() == numel, "adamw_step: expected ", name, " to have ", num(numel),
+              " elements like param, got ", num(t.numel()));
 }
 
 void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
@@ -29,12 +34,12 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected,
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step) {
-  TORCH_CHECK(step >= 1, "adamw_step: expected step >= 1 (the 1-based count used for bias correction), got ", step);
-  TORCH_CHECK(lr >= 0, "adamw_step: expected lr >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1, "adamw_step: expected 0 <= beta1 < 1, got ", beta1);
-  TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", beta2);
-  TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", weight_decay);
+  TORCH_CHECK(step >= 1, "adamw_step: expected step >= 1 (the 1-based count used for bias correction), got ", num(step));
+  TORCH_CHECK(lr >= 0, "adamw_step: expected lr >= 0, got ", num(lr));
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, "adamw_step: expected 0 <= beta1 < 1, got ", num(beta1));
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", num(beta2));
+  TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", num(eps));
+  TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
   const int64_t n = param.numel();
   check_span(param, "param", n);
   check_span(grad, "grad", n);
