@@ -131,12 +131,12 @@ def tune(n: int, layers: int) -> None:
     total = n * layers
     rows = []
     max_threads = ARGS.threads
-    thread_counts = sorted({max(1, max_threads // 2), max(1, max_threads - 1), max_threads})
+    thread_counts = sorted({max(1, max_threads - 1), max_threads})
     for mode in ("bf16", "mixed"):
         step = native_step(mode, n, layers)
         for threads in thread_counts:
             offload_ext.set_num_threads(threads)
-            for prefetch in (0, 256, 512, 1024, 2048):
+            for prefetch in (0, 512, 1024, 2048):
                 for stream_out in (False, True):
                     if mode == "bf16" and stream_out:
                         continue  # bf16 mode has no separate output
