@@ -9,7 +9,7 @@ trap 'rm -rf "$target" "$cache"' EXIT
 pip install -q --no-deps --target "$target" .
 test ! -e "$target"/offload_ext/_C*.so || { echo "isolated build unexpectedly compiled the extension"; exit 1; }
 run() {
-  (cd "$target" && OFFLOAD_EXT_FORCE_CPU=1 TORCH_EXTENSIONS_DIR="$cache" PYTHONPATH="$target" python - <<'PY'
+  (cd "$target" && unset OFFLOAD_EXT_FORCE_CUDA && OFFLOAD_EXT_FORCE_CPU=1 TORCH_EXTENSIONS_DIR="$cache" PYTHONPATH="$target" python - <<'PY'
 import torch, offload_ext
 info = offload_ext.build_info()
 assert info["native"] and info["native_origin"] == "just-in-time", info

@@ -4,10 +4,14 @@
 #include <torch/version.h>
 
 #ifdef OFFLOAD_EXT_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
 #include "adamw.h"
+#include "copy_engine.h"
+#include "pinned_pool.h"
+#include "step_scheduler.h"
 #include "thread_pool.h"
 
 namespace offload_ext {
@@ -104,6 +108,155 @@ int cuda_device_count() {
 #endif
 }
 
+
+// ------------------------------------------------------------------------------------------ Engine
+// One offload engine: pinned and host memory pools, the copy streams and the step scheduler.
+
+at::Tensor wrap_block(std::shared_ptr<void> block, int64_t numel, at::ScalarType dtype) {
+  void* ptr = block.get();
+  return torch::from_blob(ptr, {numel}, [block](void*) mutable { block.reset(); },
+                          at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+void check_flat(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous(), "Engine: expected ", what, " to be contiguous");
+}
+
+class Engine {
+ public:
+  Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes)
+      : device_(device),
+        pinned_(std::make_shared<PinnedPool>(device >= 0, static_cast<size_t>(slab_bytes), 8)),
+        host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), 8)),
+        scheduler_(std::make_shared<StepScheduler>(std::make_shared<ThreadPool>(
+            num_threads, pin_threads ? worker_cpus(num_threads) : std::vector<int>{}))),
+        copies_(make_copy_engine(device)) {
+    TORCH_CHECK(num_threads >= 1, "Engine: expected num_threads >= 1, got ", num(static_cast<int64_t>(num_threads)));
+  }
+
+  at::Tensor pinned_empty(int64_t numel, at::ScalarType dtype) {
+    return wrap_block(pinned_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
+  }
+  at::Tensor host_empty(int64_t numel, at::ScalarType dtype) {
+    return wrap_block(host_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
+  }
+  void reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
+
+  py::dict memory_stats() const {
+    py::dict d;
+    const PinnedStats p = pinned_->stats();
+    const PinnedStats h = host_->stats();
+    d["pinned_reserved"] = p.reserved;
+    d["pinned_in_use"] = p.in_use;
+    d["pinned_slabs"] = p.slabs;
+    d["page_locked"] = p.page_locked;
+    d["host_reserved"] = h.reserved;
+    d["host_in_use"] = h.in_use;
+    return d;
+  }
+
+  std::shared_ptr<Event> copy(int dir, const at::Tensor& dst, const at::Tensor& src, std::shared_ptr<Event> wait,
+                              bool after_compute, int notify_unit) {
+    check_flat(dst, "the copy's destination");
+    check_flat(src, "the copy's source");
+    TORCH_CHECK(dst.nbytes() == src.nbytes(), "Engine: copy between ", num(static_cast<int64_t>(src.nbytes())),
+                " source bytes and ", num(static_cast<int64_t>(dst.nbytes())), " destination bytes");
+    const Direction d = dir == 0 ? Direction::kH2D : Direction::kD2H;
+    const at::Tensor& host = d == Direction::kH2D ? src : dst;
+    const at::Tensor& dev = d == Direction::kH2D ? dst : src;
+    TORCH_CHECK(host.device().is_cpu(), "Engine: the host side of a copy must be a CPU tensor, got ", host.device());
+    if (device_ >= 0) {
+      TORCH_CHECK(dev.is_cuda() && dev.get_device() == device_, "Engine: the device side of a copy must be on cuda:",
+                  num(static_cast<int64_t>(device_)), ", got ", dev.device());
+    } else {
+      TORCH_CHECK(dev.device().is_cpu(), "Engine: on the simulated device both sides of a copy are CPU tensors");
+    }
+    CopyEngine::Callback on_done;
+    if (notify_unit >= 0) {
+      auto sched = scheduler_;
+      on_done = [sched, notify_unit] { sched->notify(notify_unit); };
+    }
+    return copies_->copy(d, dst.data_ptr(), src.data_ptr(), src.nbytes(), std::move(wait), after_compute,
+                         compute_stream(), std::move(on_done));
+  }
+
+  void compute_wait(const std::shared_ptr<Event>& e) {
+    TORCH_CHECK(e, "Engine.compute_wait: expected an event, got None");
+    copies_->compute_wait(*e, compute_stream());
+  }
+  std::shared_ptr<Event> record_compute() { return copies_->record_compute(compute_stream()); }
+
+  int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out) {
+    const int64_t n = param.numel();
+    check_span(param, "param", n);
+    check_span(grad, "grad", n);
+    check_span(exp_avg, "exp_avg", n);
+    check_span(exp_avg_sq, "exp_avg_sq", n);
+    StepUnit u{};
+    u.numel = n;
+    u.param = param.data_ptr();
+    u.grad = grad.data_ptr();
+    u.exp_avg = exp_avg.data_ptr();
+    u.exp_avg_sq = exp_avg_sq.data_ptr();
+    if (param.scalar_type() == at::kBFloat16) {
+      const char* mode = "bf16 (bf16 param)";
+      check_dtype(grad, "grad", at::kBFloat16, mode);
+      check_dtype(exp_avg, "exp_avg", at::kBFloat16, mode);
+      check_dtype(exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
+      TORCH_CHECK(!param_out.has_value(), "Engine.add_unit: param_out is only for fp32 master params");
+      u.bf16_mode = true;
+    } else {
+      const char* mode = "fp32/mixed (float32 param)";
+      check_dtype(param, "param", at::kFloat, mode);
+      check_dtype(exp_avg, "exp_avg", at::kFloat, mode);
+      check_dtype(exp_avg_sq, "exp_avg_sq", at::kFloat, mode);
+      TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+                  "Engine.add_unit: expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
+      u.grad_type = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
+      if (param_out.has_value()) {
+        check_span(*param_out, "param_out", n);
+        check_dtype(*param_out, "param_out", at::kBFloat16, mode);
+        u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
+      }
+    }
+    return scheduler_->add_unit(u);
+  }
+
+  void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+    TORCH_CHECK(step >= 1, "Engine.set_hyper: expected step >= 1, got ", num(step));
+    scheduler_->set_hyper({lr, beta1, beta2, eps, weight_decay, step});
+  }
+
+  py::dict stats() const {
+    py::dict d;
+    const SchedulerStats s = scheduler_->stats();
+    d["step_busy_seconds"] = s.busy_seconds;
+    d["units_stepped"] = s.units_stepped;
+    d["num_threads"] = scheduler_->pool()->num_threads();
+    d["threads_pinned"] = scheduler_->pool()->pinned();
+    return d;
+  }
+
+  StepScheduler& scheduler() { return *scheduler_; }
+  CopyEngine& copies() { return *copies_; }
+  int device() const { return device_; }
+
+ private:
+  uintptr_t compute_stream() const {
+#ifdef OFFLOAD_EXT_WITH_CUDA
+    if (device_ >= 0) return reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(device_).stream());
+#endif
+    return 0;
+  }
+
+  const int device_;
+  std::shared_ptr<PinnedPool> pinned_;
+  std::shared_ptr<PinnedPool> host_;
+  std::shared_ptr<StepScheduler> scheduler_;
+  std::shared_ptr<CopyEngine> copies_;  // last: destroyed first, draining copies into the pools above
+};
+
 }  // namespace
 }  // namespace offload_ext
 
@@ -137,6 +290,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("get_num_threads", [] { return offload_ext::global_pool()->num_threads(); });
   m.def("default_num_threads", &offload_ext::default_num_threads);
+  using offload_ext::Engine;
+  using offload_ext::Event;
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy or compute marker.")
+      .def("query", &Event::query, Release())
+      .def("synchronize", &Event::synchronize, Release());
+  py::class_<Engine>(m, "Engine", "Pinned memory, copy streams and the overlapped AdamW step scheduler.")
+      .def(py::init<int, int, bool, int64_t>(), py::arg("device"), py::arg("num_threads"), py::arg("pin_threads"),
+           py::arg("slab_bytes"))
+      .def("pinned_empty", &Engine::pinned_empty, py::arg("numel"), py::arg("dtype"))
+      .def("host_empty", &Engine::host_empty, py::arg("numel"), py::arg("dtype"))
+      .def("reserve_pinned", &Engine::reserve_pinned, Release())
+      .def("memory_stats", &Engine::memory_stats)
+      .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("wait") = nullptr,
+           py::arg("after_compute") = true, py::arg("notify_unit") = -1)
+      .def("compute_wait", &Engine::compute_wait, Release())
+      .def("record_compute", &Engine::record_compute)
+      .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+           py::arg("exp_avg_sq"), py::arg("param_out") = py::none())
+      .def("set_hyper", &Engine::set_hyper)
+      .def("notify", [](Engine& e, int unit) { e.scheduler().notify(unit); })
+      .def("wait_unit", [](Engine& e, int unit) { e.scheduler().wait(unit); }, Release())
+      .def("wait_all", [](Engine& e) { e.scheduler().wait_all(); }, Release())
+      .def("check", [](Engine& e) { e.scheduler().check(); })
+      .def("inject_failure", [](Engine& e) { e.scheduler().inject_failure(); })
+      .def("synchronize", [](Engine& e) { e.copies().synchronize(); }, Release())
+      .def("set_debug_delay_us", [](Engine& e, int us) { e.copies().set_debug_delay_us(us); })
+      .def("stream_handle", [](Engine& e, int dir) {
+        return e.copies().stream_handle(dir == 0 ? offload_ext::Direction::kH2D : offload_ext::Direction::kD2H);
+      })
+      .def("stats", &Engine::stats);
   m.def("cuda_device_count", &offload_ext::cuda_device_count,
         "CUDA devices seen through the CUDA runtime this extension was compiled against (0 in a CPU build).");
 }

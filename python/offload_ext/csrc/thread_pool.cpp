@@ -123,19 +123,19 @@ std::shared_ptr<ThreadPool> global_pool() {
   return g_pool;
 }
 
+std::vector<int> worker_cpus(int num_threads) {
+  const std::vector<int> all = allowed_cpus();
+  const int take = std::min<int>(num_threads - 1, static_cast<int>(all.size()) - 1);
+  std::vector<int> cpus;
+  for (int i = 0; i < take; ++i) cpus.push_back(all[all.size() - 1 - i]);
+  return cpus;
+}
+
 void set_global_pool(int num_threads, bool pin) {
   if (num_threads < 1) {
     throw std::invalid_argument("set_num_threads: expected a thread count >= 1, got " + std::to_string(num_threads));
   }
-  std::vector<int> cpus;
-  if (pin) {
-    const std::vector<int> all = allowed_cpus();
-    // Workers are num_threads - 1; take them from the top so the lowest CPU stays free.
-    const int workers = num_threads - 1;
-    const int take = std::min<int>(workers, static_cast<int>(all.size()) - 1);
-    for (int i = 0; i < take; ++i) cpus.push_back(all[all.size() - 1 - i]);
-  }
-  auto pool = std::make_shared<ThreadPool>(num_threads, std::move(cpus));
+  auto pool = std::make_shared<ThreadPool>(num_threads, pin ? worker_cpus(num_threads) : std::vector<int>{});
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   g_pool = std::move(pool);
 }

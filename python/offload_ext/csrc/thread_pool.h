@@ -56,6 +56,10 @@ std::vector<int> allowed_cpus();
 // Default: all usable CPUs but one, left for the thread that drives the GPU.
 int default_num_threads();
 
+// CPUs for the workers of a pinned pool of num_threads: the highest-numbered usable CPUs, so the
+// lowest (where the process's main thread usually runs) stays free.
+std::vector<int> worker_cpus(int num_threads);
+
 // The shared pool the kernels use. Replacing it never disturbs a loop already running:
 // callers hold a shared_ptr for the duration of their loop.
 std::shared_ptr<ThreadPool> global_pool();

@@ -1,0 +1,310 @@
+// CopyEngine implementations: CUDA streams with an event pool, and the simulated device's
+// memcpy threads.
+#include "copy_engine.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef OFFLOAD_EXT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace offload_ext {
+
+namespace {
+
+int random_delay_us(int max_us) {
+  if (max_us <= 0) return 0;
+  thread_local std::mt19937 rng(std::random_device{}());
+  return std::uniform_int_distribution<int>(0, max_us)(rng);
+}
+
+// ---------------------------------------------------------------- simulated device
+
+class HostEvent final : public Event {
+ public:
+  bool query() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  void set() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+};
+
+// One thread per direction, running its queue in order like a stream.
+class HostStream {
+ public:
+  struct Job {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    std::shared_ptr<Event> wait;
+    std::shared_ptr<HostEvent> done;
+    CopyEngine::Callback on_done;
+  };
+
+  explicit HostStream(std::atomic<int>& delay_us) : delay_us_(delay_us), thread_([this] { loop(); }) {}
+  ~HostStream() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(Job job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+  std::shared_ptr<HostEvent> last() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return last_;
+  }
+  void note_last(const std::shared_ptr<HostEvent>& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last_ = e;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, queue drained
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      if (job.wait) job.wait->synchronize();
+      if (const int us = random_delay_us(delay_us_.load())) std::this_thread::sleep_for(std::chrono::microseconds(us));
+      if (job.bytes) std::memcpy(job.dst, job.src, job.bytes);
+      if (job.on_done) job.on_done();
+      job.done->set();
+    }
+  }
+
+  std::atomic<int>& delay_us_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  std::shared_ptr<HostEvent> last_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+class HostCopyEngine final : public CopyEngine {
+ public:
+  HostCopyEngine() {
+    streams_[0] = std::make_unique<HostStream>(delay_us_);
+    streams_[1] = std::make_unique<HostStream>(delay_us_);
+  }
+  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, std::shared_ptr<Event> wait,
+                              bool /*after_compute*/, uintptr_t /*compute*/, Callback on_done) override {
+    auto done = std::make_shared<HostEvent>();
+    HostStream& s = *streams_[static_cast<int>(dir)];
+    s.note_last(done);
+    s.push({dst, src, bytes, std::move(wait), done, std::move(on_done)});
+    return done;
+  }
+  void compute_wait(const Event& e, uintptr_t) override { const_cast<Event&>(e).synchronize(); }
+  std::shared_ptr<Event> record_compute(uintptr_t) override {
+    auto e = std::make_shared<HostEvent>();
+    e->set();  // the simulated compute stream is the caller: everything before is done
+    return e;
+  }
+  void synchronize() override {
+    for (auto& s : streams_) {
+      if (auto last = s->last()) last->synchronize();
+    }
+  }
+  void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
+  uintptr_t stream_handle(Direction) const override { return 0; }
+
+ private:
+  std::atomic<int> delay_us_{0};
+  std::unique_ptr<HostStream> streams_[2];
+};
+
+// ---------------------------------------------------------------- CUDA
+
+#ifdef OFFLOAD_EXT_WITH_CUDA
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("CopyEngine: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Restores the calling thread's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  cudaEvent_t get() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    DeviceGuard guard(device_);
+    cudaEvent_t e;
+    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    return e;
+  }
+  void put(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(e);
+  }
+
+ private:
+  const int device_;
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(std::shared_ptr<EventPool> pool, cudaStream_t stream) : pool_(std::move(pool)), event_(pool_->get()) {
+    cuda_check(cudaEventRecord(event_, stream), "cudaEventRecord");
+  }
+  ~CudaEvent() override { pool_->put(event_); }  // re-recording later never affects earlier waits
+  bool query() override {
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) return false;
+    cuda_check(err, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() override { cuda_check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  std::shared_ptr<EventPool> pool_;
+  cudaEvent_t event_;
+};
+
+void CUDART_CB run_host_callback(void* payload) {
+  std::unique_ptr<CopyEngine::Callback> cb(static_cast<CopyEngine::Callback*>(payload));
+  (*cb)();
+}
+
+void CUDART_CB sleep_host_callback(void* payload) {
+  std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<uintptr_t>(payload)));
+}
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  explicit CudaCopyEngine(int device) : device_(device), events_(std::make_shared<EventPool>(device)) {
+    DeviceGuard guard(device_);
+    for (auto& s : streams_) cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  ~CudaCopyEngine() override {
+    for (auto& s : streams_) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+  }
+
+  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, std::shared_ptr<Event> wait,
+                              bool after_compute, uintptr_t compute, Callback on_done) override {
+    DeviceGuard guard(device_);
+    cudaStream_t s = streams_[static_cast<int>(dir)];
+    if (after_compute) {
+      CudaEvent marker(events_, reinterpret_cast<cudaStream_t>(compute));
+      cuda_check(cudaStreamWaitEvent(s, marker.get(), 0), "cudaStreamWaitEvent");
+    }
+    if (wait) cuda_check(cudaStreamWaitEvent(s, static_cast<const CudaEvent*>(wait.get())->get(), 0), "cudaStreamWaitEvent");
+    if (const int us = random_delay_us(delay_us_.load())) {
+      cuda_check(cudaLaunchHostFunc(s, sleep_host_callback, reinterpret_cast<void*>(static_cast<uintptr_t>(us))),
+                 "cudaLaunchHostFunc");
+    }
+    const cudaMemcpyKind kind = dir == Direction::kH2D ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+    if (bytes) cuda_check(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
+    if (on_done) {
+      auto payload = std::make_unique<Callback>(std::move(on_done));
+      cuda_check(cudaLaunchHostFunc(s, run_host_callback, payload.get()), "cudaLaunchHostFunc");
+      payload.release();  // owned by run_host_callback from here
+    }
+    return std::make_shared<CudaEvent>(events_, s);
+  }
+
+  void compute_wait(const Event& e, uintptr_t compute) override {
+    DeviceGuard guard(device_);
+    cuda_check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(compute), static_cast<const CudaEvent&>(e).get(), 0),
+               "cudaStreamWaitEvent");
+  }
+  std::shared_ptr<Event> record_compute(uintptr_t compute) override {
+    DeviceGuard guard(device_);
+    return std::make_shared<CudaEvent>(events_, reinterpret_cast<cudaStream_t>(compute));
+  }
+  void synchronize() override {
+    for (auto& s : streams_) cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+  void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
+  uintptr_t stream_handle(Direction dir) const override {
+    return reinterpret_cast<uintptr_t>(streams_[static_cast<int>(dir)]);
+  }
+
+ private:
+  const int device_;
+  std::shared_ptr<EventPool> events_;
+  cudaStream_t streams_[2] = {nullptr, nullptr};
+  std::atomic<int> delay_us_{0};
+};
+
+#endif  // OFFLOAD_EXT_WITH_CUDA
+
+}  // namespace
+
+std::shared_ptr<CopyEngine> make_copy_engine(int device) {
+  if (device < 0) return std::make_shared<HostCopyEngine>();
+#ifdef OFFLOAD_EXT_WITH_CUDA
+  return std::make_shared<CudaCopyEngine>(device);
+#else
+  throw std::runtime_error("CopyEngine: this offload_ext build has no CUDA support; reinstall with a CUDA toolkit "
+                           "and a CUDA build of torch, or use device='cpu'");
+#endif
+}
+
+}  // namespace offload_ext

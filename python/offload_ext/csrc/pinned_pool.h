@@ -1,0 +1,51 @@
+// PinnedPool: page-locked host memory for the H2D/D2H buffers, taken in few large slabs (pinned
+// in parallel, once) and carved into aligned blocks that are reused; byte counts exposed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace offload_ext {
+
+struct PinnedStats {
+  size_t reserved = 0;   // bytes in slabs
+  size_t in_use = 0;     // bytes handed out
+  size_t slabs = 0;
+  bool page_locked = false;  // false on the simulated device or a CPU-only build
+};
+
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  // page_lock: register slabs with the CUDA driver (needs a CUDA build); otherwise plain memory.
+  PinnedPool(bool page_lock, size_t slab_bytes, int pin_threads);
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // An aligned block of at least `bytes`; the shared_ptr gives it back to the pool when released.
+  std::shared_ptr<void> allocate(size_t bytes);
+  // Adds enough slabs for `bytes` more, created and page-locked concurrently.
+  void reserve(size_t bytes);
+  PinnedStats stats() const;
+
+ private:
+  struct Slab;
+  void add_slabs(const std::vector<size_t>& sizes);  // requires mutex_
+  void release(char* ptr, size_t bytes);
+
+  const bool page_lock_;
+  const size_t slab_bytes_;
+  const int pin_threads_;
+  mutable std::mutex mutex_;
+  std::vector<std::unique_ptr<Slab>> slabs_;
+  std::map<char*, size_t> free_;  // address -> size of free ranges, coalesced within a slab
+  std::map<char*, size_t> slab_starts_;  // never coalesce across slabs: each is its own registration
+  size_t reserved_ = 0;
+  size_t in_use_ = 0;
+};
+
+}  // namespace offload_ext

@@ -1,0 +1,79 @@
+// StepScheduler: steps a unit (one layer's flat AdamW spans) on the library's worker threads the
+// moment that unit's gradients have landed, while the GPU runs backward on the layers below.
+// Notifications may come from any thread (a CUDA host callback included); waits block without the
+// GIL (the bindings release it); a failed step is kept and rethrown to the next caller.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "adamw.h"
+#include "thread_pool.h"
+
+namespace offload_ext {
+
+struct StepUnit {
+  bool bf16_mode;           // all-bf16 span; else fp32 master with grad_type grad
+  void* param;              // bf16 or fp32
+  const void* grad;         // bf16 (bf16 mode) or grad_type
+  GradType grad_type;
+  void* exp_avg;
+  void* exp_avg_sq;
+  uint16_t* param_out;      // fp32 mode only, may be null
+  int64_t numel;
+};
+
+struct SchedulerStats {
+  double busy_seconds = 0;   // wall time spent stepping, summed over units
+  int64_t units_stepped = 0;
+};
+
+class StepScheduler {
+ public:
+  explicit StepScheduler(std::shared_ptr<ThreadPool> pool);
+  ~StepScheduler();
+  StepScheduler(const StepScheduler&) = delete;
+  StepScheduler& operator=(const StepScheduler&) = delete;
+
+  int add_unit(const StepUnit& unit);
+  // Hyperparameters for the units notified from now on (a schedule changes lr per step).
+  void set_hyper(const AdamWHyper& h);
+  // Unit `id`'s gradients are in place: queue its step. Safe from any thread.
+  void notify(int id);
+  // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
+  void wait(int id);
+  void wait_all();
+  // Rethrows a pending failure without waiting.
+  void check();
+  // Testing aid: the next unit stepped fails as a real kernel failure would.
+  void inject_failure();
+  SchedulerStats stats() const;
+  std::shared_ptr<ThreadPool> pool() const { return pool_; }
+
+ private:
+  void loop();
+  void rethrow_locked();
+
+  std::shared_ptr<ThreadPool> pool_;
+  std::vector<StepUnit> units_;
+  std::vector<int64_t> notified_;  // per unit: times notified
+  std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
+  AdamWHyper hyper_{};
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::pair<int, AdamWHyper>> queue_;
+  std::exception_ptr error_;
+  SchedulerStats stats_;
+  bool stopping_ = false;
+  bool fail_next_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+}  // namespace offload_ext
