@@ -1,0 +1,79 @@
+"""The interface between the Offloader's hooks and a backend, and the per-layer host buffers both use."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int  # 1-based count for bias correction
+
+
+@dataclass
+class LayerBuffers:
+    """One streamed layer on the host. `params` is laid out trainable-first, then frozen."""
+
+    params: torch.Tensor            # bf16, pinned: the H2D source
+    grads: torch.Tensor             # bf16, pinned: the D2H target (trainable part only)
+    exp_avg: torch.Tensor           # bf16 ("bf16") or fp32 ("mixed")
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
+    trainable: int                  # numel of the trainable prefix
+
+    @property
+    def trainable_params(self) -> torch.Tensor:
+        return self.params[: self.trainable]
+
+
+class Backend(ABC):
+    """Memory, copies and the host-side AdamW of the streamed layers.
+
+    Events are opaque: whatever `load`/`flush_grads` return is only handed back to `compute_wait`.
+    """
+
+    def __init__(self, device: torch.device, precision: str) -> None:
+        self.device = device
+        self.precision = precision
+
+    @abstractmethod
+    def new_layer(self, flat_params: torch.Tensor, trainable: int, master: torch.Tensor | None) -> LayerBuffers:
+        """Host buffers for one layer, filled from `flat_params` (bf16) and `master` (fp32, mixed)."""
+
+    @abstractmethod
+    def device_buffer(self, numel: int) -> torch.Tensor:
+        """A bf16 buffer on the (possibly simulated) device."""
+
+    @abstractmethod
+    def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+        """Copy layer params host -> dst once the compute stream has reached this point."""
+
+    @abstractmethod
+    def compute_wait(self, event: Any) -> None:
+        """Make the compute stream wait for a copy."""
+
+    @abstractmethod
+    def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        """Copy a layer's gathered grads device -> host once compute has produced them; then step it."""
+
+    @abstractmethod
+    def begin_step(self, hyper: Hyper) -> None:
+        """Hyperparameters for the layers stepped in the coming backward."""
+
+    @abstractmethod
+    def finish_step(self) -> float:
+        """Return once every layer flushed since begin_step has been stepped; seconds spent waiting."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass

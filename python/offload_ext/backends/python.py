@@ -1,0 +1,152 @@
+"""The pure-PyTorch backend: torch streams and events, pinned tensors, torch's fused AdamW after backward.
+
+It is the honest baseline for the native backend: the same hooks and layout, and a copy is never
+used before it has landed (in forward and in activation-checkpointing recompute alike). Its CPU step
+runs after backward, as one fused AdamW call over all layers. On the simulated device, copies run
+on one worker thread per direction and events are futures.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .base import Backend, Hyper, LayerBuffers
+
+
+class _CudaCopies:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def compute_wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def host_wait(event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+
+class _ThreadCopies:
+    """Simulated device: compute is the calling thread; each direction is an in-order worker."""
+
+    def __init__(self) -> None:
+        self.h2d = ThreadPoolExecutor(1, thread_name_prefix="offload-h2d")
+        self.d2h = ThreadPoolExecutor(1, thread_name_prefix="offload-d2h")
+
+    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        return stream.submit(dst.copy_, src)
+
+    def compute_wait(self, event: Future) -> None:
+        event.result()
+
+    host_wait = compute_wait
+
+
+class PythonBackend(Backend):
+    def __init__(self, device: torch.device, precision: str, **_: Any) -> None:
+        super().__init__(device, precision)
+        self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
+        self._pin = device.type == "cuda"
+        self._layers: list[LayerBuffers] = []
+        self._params: list[torch.nn.Parameter] = []     # what torch's AdamW steps, one per layer
+        self._fp32_grads: list[torch.Tensor] = []       # mixed: grads upcast for torch's fp32 AdamW
+        self._optimizer: torch.optim.AdamW | None = None
+        self._pending: list[tuple[int, Any]] = []
+        self._hyper: Hyper | None = None
+
+    def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin and self._pin)
+
+    def new_layer(self, flat_params: torch.Tensor, trainable: int, master: torch.Tensor | None) -> LayerBuffers:
+        params = self._host(flat_params.numel(), torch.bfloat16, pin=True)
+        params.copy_(flat_params)
+        state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
+        layer = LayerBuffers(
+            params=params,
+            grads=self._host(trainable, torch.bfloat16, pin=True).zero_(),
+            exp_avg=torch.zeros(trainable, dtype=state_dtype),
+            exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
+            master=master.clone() if master is not None else None,
+            trainable=trainable,
+        )
+        if self.precision == "mixed":
+            p = torch.nn.Parameter(layer.master)
+            self._fp32_grads.append(torch.zeros(trainable, dtype=torch.float32))
+            p.grad = self._fp32_grads[-1]
+        else:
+            p = torch.nn.Parameter(layer.trainable_params)
+            p.grad = layer.grads
+        self._params.append(p)
+        self._layers.append(layer)
+        self._optimizer = None  # rebuilt lazily over all layers
+        return layer
+
+    def device_buffer(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
+
+    def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+        return self._copies.copy(self._copies.h2d, dst, layer.params)
+
+    def compute_wait(self, event: Any) -> None:
+        self._copies.compute_wait(event)
+
+    def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        event = self._copies.copy(self._copies.d2h, layer.grads, src)
+        self._pending.append((index, event))
+        return event
+
+    def begin_step(self, hyper: Hyper) -> None:
+        self._hyper = hyper
+
+    def _torch_optimizer(self) -> torch.optim.AdamW:
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self._params, lr=1e-3, fused=True)
+            for p, layer in zip(self._params, self._layers):
+                # Share the layer's moment buffers so state_dict/load_state_dict see one truth.
+                self._optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": layer.exp_avg,
+                    "exp_avg_sq": layer.exp_avg_sq,
+                }
+        return self._optimizer
+
+    def finish_step(self) -> float:
+        hyper = self._hyper
+        assert hyper is not None, "begin_step was not called"
+        t0 = time.perf_counter()
+        for _, event in self._pending:
+            self._copies.host_wait(event)
+        waited = time.perf_counter() - t0
+        if not self._pending:
+            return waited
+        stepped = {i for i, _ in self._pending}
+        self._pending.clear()
+        opt = self._torch_optimizer()
+        group = opt.param_groups[0]
+        group.update(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
+        for i, (p, layer) in enumerate(zip(self._params, self._layers)):
+            opt.state[p]["step"].fill_(hyper.step - 1)  # torch's fused step increments it
+            if i not in stepped:
+                p.grad = None
+            elif self.precision == "mixed":
+                self._fp32_grads[i].copy_(layer.grads)
+                p.grad = self._fp32_grads[i]
+            else:
+                p.grad = layer.grads
+        opt.step()
+        if self.precision == "mixed":
+            for i in stepped:
+                self._layers[i].trainable_params.copy_(self._layers[i].master)
+        return waited

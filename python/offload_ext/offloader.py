@@ -1,0 +1,391 @@
+"""Offloader: streams a model's layer stacks from host memory through two device buffers, and owns
+the optimizer (host AdamW for streamed layers, a device AdamW for everything else).
+
+Hooks are backend-agnostic: each streamed layer's forward is wrapped (activation checkpointing
+plus the "layer i is about to run" hook, which also fires in checkpoint recompute), and every
+trainable streamed parameter has a post-accumulate-grad hook that gathers its gradient into the
+layer's flat device buffer and, with the layer's last one, sends it to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .backends import Hyper, LayerBuffers, make_backend
+from .stacks import find_layer_stacks
+
+_PRECISIONS = ("bf16", "mixed")
+
+
+@dataclass
+class _Slot:
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class _Stack:
+    name: str
+    layers: list[nn.Module]
+    host: list[LayerBuffers] = field(default_factory=list)
+    slots: list[list[_Slot]] = field(default_factory=list)   # per layer: trainable first, then frozen
+    trainable: list[int] = field(default_factory=list)      # per layer: number of trainable params
+    unit: list[int] = field(default_factory=list)           # per layer: global layer index in the backend
+    dev_params: list[torch.Tensor] = field(default_factory=list)  # two device buffers
+    dev_grads: list[torch.Tensor] = field(default_factory=list)
+    resident: list[int | None] = field(default_factory=lambda: [None, None])
+    loaded: list[Any] = field(default_factory=lambda: [None, None])
+    grads_free: list[Any] = field(default_factory=lambda: [None, None])
+    grad_count: list[int] = field(default_factory=list)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"Offloader: device={str(device)!r} but CUDA is not available here "
+                               "(torch.cuda.is_available() is False); use device='cpu' for the simulated device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"Offloader: device must be 'cuda', 'cuda:N' or 'cpu' (simulated), got {device!r}")
+    return dev
+
+
+class Offloader:
+    """Full CPU offload of a model's layer stacks for training on one device.
+
+    off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
+    loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        precision: str = "bf16",
+        backend: str = "native",
+        device: str | torch.device = "cuda",
+        *,
+        compile_layers: bool = False,
+        num_threads: int | None = None,
+        pin_threads: bool = True,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
+        self.device = _resolve_device(device)
+        stacks = find_layer_stacks(model)
+        if not stacks:
+            raise ValueError(
+                f"Offloader: found no layer stack in {type(model).__name__}: expected an nn.ModuleList or "
+                "nn.Sequential of two or more layers of one type (like model.model.layers in HF Llama)")
+        self.model = model
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.precision = precision
+        self.backend_name = backend
+        self.last_step_wait = 0.0
+        self._step = 0
+        self._backward_pending = False
+        self._closed = False
+        self._hooks: list[Any] = []
+        self._compile = compile_layers
+        self._hf_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        if self._hf_checkpointing:
+            model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
+        self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,
+                                     pin_threads=pin_threads)
+        stacked = {id(p) for _, s in stacks for p in s.parameters()}
+        self._layer_count = 0
+        self._stacks = [self._lay_out(name, stack) for name, stack in stacks]
+        self._outer, self._outer_masters, self._outer_opt = self._move_outer(model, stacked)
+        for stack in self._stacks:
+            for i, layer in enumerate(stack.layers):
+                self._wrap_layer(stack, i, layer)
+                self._hook_grads(stack, i)
+        self._prefetch_first()
+
+    # ------------------------------------------------------------------ layout
+
+    def _lay_out(self, name: str, module: nn.Module) -> _Stack:
+        stack = _Stack(name, list(module))
+        sizes = []
+        for layer in stack.layers:
+            params = [p for p in layer.parameters()]
+            ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
+            slots, offset = [], 0
+            for p in ordered:
+                slots.append(_Slot(p, offset, p.numel(), p.shape))
+                offset += p.numel()
+            stack.slots.append(slots)
+            stack.trainable.append(sum(p.requires_grad for p in params))
+            sizes.append(offset)
+        if hasattr(self._backend, "reserve"):
+            per_layer = [n + sum(s.numel for s in slots[:t]) for n, slots, t in zip(sizes, stack.slots, stack.trainable)]
+            self._backend.reserve(2 * sum(per_layer) + (1 << 20) * len(per_layer))
+        for slots, t, n in zip(stack.slots, stack.trainable, sizes):
+            trainable_numel = sum(s.numel for s in slots[:t])
+            flat = torch.empty(n, dtype=torch.bfloat16)
+            master = torch.empty(trainable_numel, dtype=torch.float32) if self.precision == "mixed" else None
+            for k, s in enumerate(slots):
+                src = s.param.detach().reshape(-1)
+                flat[s.offset:s.offset + s.numel].copy_(src)
+                if master is not None and k < t:
+                    master[s.offset:s.offset + s.numel].copy_(src)
+                # The original storage is dropped; the layer lives on the host from now on.
+                s.param.data = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+            stack.host.append(self._backend.new_layer(flat, trainable_numel, master))
+            stack.grad_count.append(0)
+        largest = max(sizes)
+        largest_grad = max(b.trainable for b in stack.host)
+        stack.dev_params = [self._backend.device_buffer(largest) for _ in range(2)]
+        stack.dev_grads = [self._backend.device_buffer(max(1, largest_grad)) for _ in range(2)]
+        stack.unit = list(range(self._layer_count, self._layer_count + len(stack.layers)))
+        self._layer_count += len(stack.layers)
+        return stack
+
+    def _move_outer(self, model: nn.Module, stacked: set[int]):
+        outer = [p for p in model.parameters() if id(p) not in stacked]
+        masters = []
+        for p in outer:
+            if self.precision == "mixed" and p.requires_grad:
+                masters.append(p.detach().to(self.device, torch.float32, copy=True))
+            p.data = p.data.to(self.device, torch.bfloat16)
+        model.to(self.device)  # buffers; the streamed parameters are already device placeholders
+        trainable = masters if self.precision == "mixed" else [p for p in outer if p.requires_grad]
+        opt = None
+        if trainable:
+            opt = torch.optim.AdamW(trainable, lr=self.lr, betas=self.betas, eps=self.eps,
+                                    weight_decay=self.weight_decay, fused=True)
+        return outer, masters, opt
+
+    # ------------------------------------------------------------------ hooks
+
+    def _wrap_layer(self, stack: _Stack, i: int, layer: nn.Module) -> None:
+        inner = layer.forward
+        compiled = torch.compile(inner) if self._compile else inner
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._before_layer(stack, i)
+            return compiled(*args, **kwargs)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():
+                # Recompute is required: saved activations would point at buffers since refilled.
+                return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            return run(*args, **kwargs)
+
+        layer.forward = forward  # instance attribute; close() deletes it
+
+    def _load(self, stack: _Stack, i: int) -> None:
+        slot = i % 2
+        dst = stack.dev_params[slot][: stack.host[i].params.numel()]
+        stack.loaded[slot] = self._backend.load(stack.host[i], dst)
+        stack.resident[slot] = i
+
+    def _before_layer(self, stack: _Stack, i: int) -> None:
+        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
+        slot = i % 2
+        if stack.resident[slot] != i:
+            self._load(stack, i)
+        self._backend.compute_wait(stack.loaded[slot])
+        buf = stack.dev_params[slot]
+        for s in stack.slots[i]:
+            s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+        nxt = i - 1 if recompute else i + 1
+        if 0 <= nxt < len(stack.layers) and stack.resident[nxt % 2] != nxt:
+            self._load(stack, nxt)
+
+    def _hook_grads(self, stack: _Stack, i: int) -> None:
+        for s in stack.slots[i][: stack.trainable[i]]:
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(
+                lambda p, s=s: self._on_grad(stack, i, s, p)))
+
+    def _on_grad(self, stack: _Stack, i: int, s: _Slot, p: nn.Parameter) -> None:
+        slot = i % 2
+        if stack.grad_count[i] == 0 and stack.grads_free[slot] is not None:
+            self._backend.compute_wait(stack.grads_free[slot])  # the slot's last D2H has landed
+        stack.dev_grads[slot][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+        p.grad = None
+        stack.grad_count[i] += 1
+        if stack.grad_count[i] == stack.trainable[i]:
+            stack.grad_count[i] = 0
+            src = stack.dev_grads[slot][: stack.host[i].trainable]
+            stack.grads_free[slot] = self._backend.flush_grads(stack.unit[i], stack.host[i], src)
+
+    # ------------------------------------------------------------------ training API
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Offloader: already closed; build a new Offloader to train again")
+
+    def _hyper(self) -> Hyper:
+        return Hyper(self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay, self._step + 1)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land."""
+        self._check_open()
+        if self._backward_pending:
+            raise RuntimeError("Offloader: backward() called twice without step(); gradient accumulation across "
+                               "backward calls is not supported yet: call step() after each backward(), or "
+                               "accumulate the loss of several micro-batches into one backward()")
+        self._backend.begin_step(self._hyper())
+        self._backward_pending = True
+        loss.backward()
+
+    def step(self) -> None:
+        """Finish the host steps of this backward, step the device parameters, prefetch layer 0."""
+        self._check_open()
+        if not self._backward_pending:
+            raise RuntimeError("Offloader: step() without a preceding backward()")
+        self.last_step_wait = self._backend.finish_step()
+        self._check_grads_complete()
+        if self._outer_opt is not None:
+            self._step_outer()
+        self._step += 1
+        self._backward_pending = False
+        self._prefetch_first()
+
+    def _check_grads_complete(self) -> None:
+        for stack in self._stacks:
+            for i, count in enumerate(stack.grad_count):
+                if count:
+                    missing = [n for n, p in stack.layers[i].named_parameters() if p.requires_grad and p.grad is None]
+                    stack.grad_count[i] = 0
+                    raise RuntimeError(
+                        f"Offloader: layer {stack.name}.{i} got gradients for only {count} of its "
+                        f"{stack.trainable[i]} trainable parameters (no grad for {missing[:4]}); freeze "
+                        "parameters that take no part in the loss (p.requires_grad_(False)) before building "
+                        "the Offloader")
+
+    def _step_outer(self) -> None:
+        group = self._outer_opt.param_groups[0]
+        group.update(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        if self.precision == "mixed":
+            trainable = [p for p in self._outer if p.requires_grad]
+            for p, m in zip(trainable, self._outer_masters):
+                m.grad = p.grad.float() if p.grad is not None else None
+            self._outer_opt.step()
+            with torch.no_grad():
+                for p, m in zip(trainable, self._outer_masters):
+                    p.copy_(m)
+        else:
+            self._outer_opt.step()
+
+    def zero_grad(self) -> None:
+        """Streamed layers' grads are consumed by their hooks; this clears the device parameters'."""
+        for p in self._outer:
+            p.grad = None
+        for m in self._outer_masters:
+            m.grad = None
+
+    def _prefetch_first(self) -> None:
+        for stack in self._stacks:
+            stack.resident = [None, None]  # host params changed: every device copy is stale
+            self._load(stack, 0)
+
+    # ------------------------------------------------------------------ state
+
+    def _settle(self) -> None:
+        if self._backward_pending:
+            raise RuntimeError("Offloader: call step() before saving, loading or closing")
+
+    def state_dict(self) -> dict[str, Any]:
+        self._check_open()
+        self._settle()
+        layers = []
+        for stack in self._stacks:
+            for b in stack.host:
+                layers.append({"params": b.params.clone(), "exp_avg": b.exp_avg.clone(),
+                               "exp_avg_sq": b.exp_avg_sq.clone(),
+                               "master": b.master.clone() if b.master is not None else None})
+        outer = {
+            "params": [p.detach().cpu() for p in self._outer],
+            "masters": [m.detach().cpu() for m in self._outer_masters],
+            "optimizer": self._outer_opt.state_dict() if self._outer_opt is not None else None,
+        }
+        return {"step": self._step, "precision": self.precision, "lr": self.lr, "layers": layers, "outer": outer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_open()
+        self._settle()
+        if state["precision"] != self.precision:
+            raise ValueError(f"Offloader: state is for precision {state['precision']!r}, this Offloader uses "
+                             f"{self.precision!r}")
+        buffers = [b for stack in self._stacks for b in stack.host]
+        if len(state["layers"]) != len(buffers):
+            raise ValueError(f"Offloader: state has {len(state['layers'])} layers, the model {len(buffers)}")
+        for b, saved in zip(buffers, state["layers"]):
+            for key in ("params", "exp_avg", "exp_avg_sq", "master"):
+                dst = getattr(b, key)
+                if dst is None:
+                    continue
+                if saved[key].shape != dst.shape:
+                    raise ValueError(f"Offloader: saved {key} of shape {tuple(saved[key].shape)} does not fit "
+                                     f"{tuple(dst.shape)}: was the state made for another model?")
+                dst.copy_(saved[key])
+        with torch.no_grad():
+            for p, saved in zip(self._outer, state["outer"]["params"]):
+                p.copy_(saved)
+            for m, saved in zip(self._outer_masters, state["outer"]["masters"]):
+                m.copy_(saved)
+        if self._outer_opt is not None and state["outer"]["optimizer"] is not None:
+            self._outer_opt.load_state_dict(state["outer"]["optimizer"])
+        self._step = int(state["step"])
+        self.lr = state["lr"]
+        self._prefetch_first()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights by name, as CPU tensors (streamed ones read from the host buffers)."""
+        self._settle()
+        streamed = {}
+        for stack in self._stacks:
+            for slots, b in zip(stack.slots, stack.host):
+                for s in slots:
+                    streamed[id(s.param)] = b.params[s.offset:s.offset + s.numel].view(s.shape)
+        out = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().cpu()
+        for name, buf in self.model.named_buffers():
+            out[name] = buf.detach().cpu()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"step": self._step, "last_step_wait_s": self.last_step_wait, **self._backend.stats()}
+
+    def close(self) -> None:
+        """Detach from the model: it becomes an ordinary module on the CPU holding its current weights."""
+        if self._closed:
+            return
+        self._settle()
+        self._backend.close()
+        weights = self.model_state_dict()
+        for h in self._hooks:
+            h.remove()
+        for stack in self._stacks:
+            for layer in stack.layers:
+                layer.__dict__.pop("forward", None)
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, p in named.items():
+            p.data = weights[name]
+        self.model.to("cpu")
+        if self._hf_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self._closed = True
+
+    def __enter__(self) -> "Offloader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._backward_pending and exc[0] is not None:
+            self._backend.finish_step()  # drain: an exception mid-step must not leave threads writing
+            self._backward_pending = False
+        self.close()
