@@ -4,6 +4,7 @@ from __future__ import annotations
 from ._version import __version__
 from ._info import build_info
 from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
+from . import stacks
 from .offloader import Offloader
 from .optim import CPUAdamW
 

@@ -8,6 +8,7 @@ layer's flat device buffer and, with the layer's last one, sends it to the host.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,10 +308,11 @@ class Offloader:
                 layers.append({"params": b.params.clone(), "exp_avg": b.exp_avg.clone(),
                                "exp_avg_sq": b.exp_avg_sq.clone(),
                                "master": b.master.clone() if b.master is not None else None})
+        # Copies, not views: the state must not change when training goes on.
         outer = {
-            "params": [p.detach().cpu() for p in self._outer],
-            "masters": [m.detach().cpu() for m in self._outer_masters],
-            "optimizer": self._outer_opt.state_dict() if self._outer_opt is not None else None,
+            "params": [p.detach().to("cpu", copy=True) for p in self._outer],
+            "masters": [m.detach().to("cpu", copy=True) for m in self._outer_masters],
+            "optimizer": copy.deepcopy(self._outer_opt.state_dict()) if self._outer_opt is not None else None,
         }
         return {"step": self._step, "precision": self.precision, "lr": self.lr, "layers": layers, "outer": outer}
 

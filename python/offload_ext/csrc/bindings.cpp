@@ -173,6 +173,7 @@ class Engine {
     }
     CopyEngine::Callback on_done;
     if (notify_unit >= 0) {
+      scheduler_->expect(notify_unit);
       auto sched = scheduler_;
       on_done = [sched, notify_unit] { sched->notify(notify_unit); };
     }
@@ -310,7 +311,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none())
       .def("set_hyper", &Engine::set_hyper)
-      .def("notify", [](Engine& e, int unit) { e.scheduler().notify(unit); })
+      .def("notify", [](Engine& e, int unit) {
+        e.scheduler().expect(unit);
+        e.scheduler().notify(unit);
+      })
       .def("wait_unit", [](Engine& e, int unit) { e.scheduler().wait(unit); }, Release())
       .def("wait_all", [](Engine& e) { e.scheduler().wait_all(); }, Release())
       .def("check", [](Engine& e) { e.scheduler().check(); })

@@ -23,7 +23,7 @@ StepScheduler::~StepScheduler() {
 int StepScheduler::add_unit(const StepUnit& unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   units_.push_back(unit);
-  notified_.push_back(0);
+  expected_.push_back(0);
   stepped_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
@@ -31,6 +31,12 @@ int StepScheduler::add_unit(const StepUnit& unit) {
 void StepScheduler::set_hyper(const AdamWHyper& h) {
   std::lock_guard<std::mutex> lock(mutex_);
   hyper_ = h;
+}
+
+void StepScheduler::expect(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  ++expected_[id];
 }
 
 void StepScheduler::notify(int id) {
@@ -42,7 +48,6 @@ void StepScheduler::notify(int id) {
       }
       return;
     }
-    ++notified_[id];
     queue_.emplace_back(id, hyper_);
   }
   work_cv_.notify_one();
@@ -110,7 +115,7 @@ void StepScheduler::rethrow_locked() {
 void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
-  done_cv_.wait(lock, [&] { return stepped_[id] >= notified_[id]; });
+  done_cv_.wait(lock, [&] { return stepped_[id] >= expected_[id]; });
   rethrow_locked();
 }
 
@@ -118,7 +123,7 @@ void StepScheduler::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] {
     for (size_t i = 0; i < units_.size(); ++i) {
-      if (stepped_[i] < notified_[i]) return false;
+      if (stepped_[i] < expected_[i]) return false;
     }
     return true;
   });

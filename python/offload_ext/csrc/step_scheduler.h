@@ -44,6 +44,9 @@ class StepScheduler {
   int add_unit(const StepUnit& unit);
   // Hyperparameters for the units notified from now on (a schedule changes lr per step).
   void set_hyper(const AdamWHyper& h);
+  // A step of unit `id` is on its way (its gradient copy is enqueued): waits cover it from now on,
+  // even before the copy lands and calls notify.
+  void expect(int id);
   // Unit `id`'s gradients are in place: queue its step. Safe from any thread.
   void notify(int id);
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
@@ -62,7 +65,7 @@ class StepScheduler {
 
   std::shared_ptr<ThreadPool> pool_;
   std::vector<StepUnit> units_;
-  std::vector<int64_t> notified_;  // per unit: times notified
+  std::vector<int64_t> expected_;  // per unit: steps announced by expect()
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
   AdamWHyper hyper_{};
   mutable std::mutex mutex_;

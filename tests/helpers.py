@@ -1,0 +1,80 @@
+"""Tiny models and reference training for the Offloader tests."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def tiny_llama(layers: int = 4, hidden: int = 64) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2(layers: int = 3) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def batches(n: int, batch: int = 2, seq: int = 16, vocab: int = 128) -> list[torch.Tensor]:
+    return [torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(k)) for k in range(n)]
+
+
+def to_bf16_params(model: nn.Module) -> nn.Module:
+    """Parameters to bf16, buffers untouched: what the Offloader does."""
+    for p in model.parameters():
+        p.data = p.data.bfloat16()
+    return model
+
+
+def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu"):
+    """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"."""
+    model = copy.deepcopy(base)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
+    to_bf16_params(model).to(device)
+    if precision == "mixed":
+        masters = [m.to(device).detach().requires_grad_() for m in masters]
+        opt = torch.optim.AdamW(masters, lr=lr, weight_decay=wd, fused=True)
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd,
+                                fused=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    losses = []
+    for x in data:
+        x = x.to(device)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        losses.append(loss.item())
+        if precision == "mixed":
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            for p, m in zip(trainable, masters):
+                m.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(trainable, masters):
+                    p.copy_(m)
+        else:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return losses, model
+
+
+def offloaded_training(off, model: nn.Module, data, device: str = "cpu") -> list[float]:
+    losses = []
+    for x in data:
+        x = x.to(device)
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        off.step()
+        off.zero_grad()
+        losses.append(loss.item())
+    return losses

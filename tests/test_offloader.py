@@ -1,0 +1,175 @@
+"""Offloader on the simulated device (device="cpu"): the same hooks, bookkeeping and engine as on a GPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload_ext
+from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama
+
+LR, WD = 1e-2, 0.1
+
+
+def _train(model, backend, precision, steps=5, **kw):
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend,
+                                device="cpu", **kw)
+    losses = offloaded_training(off, model, batches(steps))
+    return losses, off
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_llama_training_equals_training_without_offload(backend, precision) -> None:
+    base = tiny_llama()
+    ref_losses, ref_model = reference_training(base, batches(5), precision, LR, WD)
+    model = copy.deepcopy(base)
+    losses, off = _train(model, backend, precision)
+    off.close()
+    assert losses == ref_losses  # bit-exact: same arithmetic, same order
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_gpt2_stack_is_found_and_trains_like_without_offload(backend) -> None:
+    base = tiny_gpt2()
+    ref_losses, _ = reference_training(base, batches(4), "bf16", LR, WD)
+    model = copy.deepcopy(base)
+    losses, off = _train(model, backend, "bf16", steps=4)
+    assert [name for name, _ in offload_ext.stacks.find_layer_stacks(model)] == ["transformer.h"]
+    off.close()
+    assert losses == ref_losses
+
+
+def test_python_and_native_backends_agree_in_mixed_precision() -> None:
+    base = tiny_llama(layers=3)
+    runs = {}
+    for backend in ("python", "native"):
+        model = copy.deepcopy(base)
+        losses, off = _train(model, backend, "mixed", steps=4)
+        runs[backend] = (losses, off.state_dict())
+        off.close()
+    assert runs["python"][0] == runs["native"][0]
+    for a, b in zip(runs["python"][1]["layers"], runs["native"][1]["layers"]):
+        assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_frozen_parameters_are_streamed_but_not_stepped() -> None:
+    base = tiny_llama(layers=3)
+    for layer in base.model.layers:
+        layer.input_layernorm.weight.requires_grad_(False)
+    ref_losses, ref_model = reference_training(base, batches(3), "bf16", LR, WD)
+    model = copy.deepcopy(base)
+    losses, off = _train(model, "native", "bf16", steps=3)
+    off.close()
+    assert losses == ref_losses
+    for layer, ref_layer in zip(model.model.layers, ref_model.model.layers):
+        assert torch.equal(layer.input_layernorm.weight, base.model.layers[0].input_layernorm.weight.bfloat16())
+        assert torch.equal(layer.mlp.up_proj.weight, ref_layer.mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
+    base = tiny_llama(layers=3)
+    data = batches(6)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="mixed", backend=backend, device="cpu")
+    offloaded_training(off, model, data[:3])
+    saved = off.state_dict()
+    expected = offloaded_training(off, model, data[3:])
+    off.close()
+
+    resumed_model = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed_model, lr=LR, weight_decay=WD, precision="mixed", backend=backend,
+                                 device="cpu")
+    off2.load_state_dict(saved)
+    assert offloaded_training(off2, resumed_model, data[3:]) == expected
+    off2.close()
+
+
+def test_close_leaves_an_ordinary_module_with_the_trained_weights() -> None:
+    model = tiny_llama(layers=2)
+    losses, off = _train(model, "native", "bf16", steps=2)
+    weights = off.model_state_dict()
+    with off:
+        pass  # __exit__ closes
+    assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    assert "forward" not in model.model.layers[0].__dict__
+    x = batches(1)[0]
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()  # an ordinary module again: plain autograd works
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_randomly_delayed_copies_change_nothing(backend) -> None:
+    base = tiny_llama(layers=4)
+    ref_losses, _ = _train(copy.deepcopy(base), backend, "bf16", steps=3)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend=backend, device="cpu")
+    if backend == "native":
+        off._backend.engine.set_debug_delay_us(3000)
+    else:
+        _delay_python_copies(off)
+    assert offloaded_training(off, model, batches(3)) == ref_losses
+    off.close()
+
+
+def _delay_python_copies(off) -> None:
+    import random
+    import time
+
+    copies = off._backend._copies
+    original = copies.copy
+
+    def slow_copy(stream, dst, src):
+        def job():
+            time.sleep(random.uniform(0, 0.003))
+            dst.copy_(src)
+        return stream.submit(job)
+
+    copies.copy = slow_copy
+    assert original is not None
+
+
+def test_a_failed_host_step_surfaces_at_the_next_call() -> None:
+    model = tiny_llama(layers=2)
+    off = offload_ext.Offloader(model, backend="native", device="cpu")
+    off._backend.engine.inject_failure()
+    x = batches(1)[0]
+    off.backward(model(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        off.step()
+
+
+def test_backward_twice_without_step_is_refused() -> None:
+    model = tiny_llama(layers=2)
+    off = offload_ext.Offloader(model, backend="native", device="cpu")
+    x = batches(1)[0]
+    off.backward(model(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match="backward\\(\\) called twice without step\\(\\)"):
+        off.backward(model(input_ids=x, labels=x).loss)
+
+
+def test_model_without_layer_stack_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="found no layer stack"):
+        offload_ext.Offloader(model, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when CUDA is absent")
+def test_cuda_device_without_cuda_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available.*device='cpu'"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cuda")
+
+
+def test_unknown_precision_and_backend_are_refused() -> None:
+    with pytest.raises(ValueError, match="precision must be one of"):
+        offload_ext.Offloader(tiny_llama(layers=2), precision="fp8", device="cpu")
+    with pytest.raises(ValueError, match="backend must be 'native' or 'python'"):
+        offload_ext.Offloader(tiny_llama(layers=2), backend="jax", device="cpu")
