@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
-# benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune (default: build test adamw).
+# benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune train
+# train-compile (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +9,7 @@ OUT=${OUT:-/tmp/offload_ext_out}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test adamw)
+[ ${#steps[@]} -eq 0 ] && steps=(build test adamw train)
 status=0
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure, remember it
@@ -36,6 +37,8 @@ for step in "${steps[@]}"; do
     build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
     test) run test python3 -m pytest -q -rs tests ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
+    train) run train python3 benchmarks/bench_train.py ;;
+    train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac

@@ -1,0 +1,163 @@
+"""B1: training step time side by side — GPU-resident, python backend, native backend — in bf16 and mixed.
+
+Random-init Llama from a config (no download; Llama-3.2-1B shape by default), bf16 compute, activation
+checkpointing, batch 4 x 2048. Median step time over --steps after --warmup, tok/s, ratios to
+GPU-resident, GPU peak memory, set-up time, forward time, and for native the time step() waited on the
+CPU AdamW. Also times the mixed AdamW kernel over the same 973 M parameters in the same run.
+
+    python benchmarks/bench_train.py                       # B1
+    python benchmarks/bench_train.py --compile             # per-layer torch.compile
+    python benchmarks/bench_train.py --layers 2 --hidden 256 --intermediate 512 --seq 256  # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import _common
+import offload_ext
+
+MODES = ["resident", "python-bf16", "native-bf16", "python-mixed", "native-mixed"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--stem", default=None)
+    return ap.parse_args()
+
+
+def build_model(a: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=True, rope_theta=500000.0)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # parameters born bf16: no fp32 copy of the model
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.config.use_cache = False
+    return model
+
+
+def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = copy.deepcopy(base)
+    t0 = time.perf_counter()
+    if mode == "resident":
+        model.to("cuda")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if a.compile:
+            for layer in model.model.layers:
+                layer.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
+        off = None
+    else:
+        backend, precision = mode.split("-")
+        off = offload_ext.Offloader(model, lr=a.lr, precision=precision, backend=backend, device="cuda",
+                                    compile_layers=a.compile)
+    torch.cuda.synchronize()
+    setup = time.perf_counter() - t0
+    model.train()
+    steps, forwards, waits, losses = [], [], [], []
+    for k in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        torch.cuda.synchronize()
+        t_fwd = time.perf_counter() - t0
+        if off is None:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            off.backward(loss)
+            off.step()
+            off.zero_grad()
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        if k >= a.warmup:
+            steps.append(time.perf_counter() - t0)
+            forwards.append(t_fwd)
+            waits.append(off.last_step_wait if off is not None else 0.0)
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    row = {"mode": mode, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
+           "step_wait_s": statistics.median(waits), "setup_s": setup, "gpu_peak_gb": peak, "losses": losses,
+           "tokens_per_s": tokens.numel() / statistics.median(steps)}
+    if mode == "native-mixed":
+        row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
+    if off is not None:
+        row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
+        off.close()
+    del model
+    print(f"  {mode:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s  wait {row['step_wait_s']:.4f} s"
+          f"  setup {setup:.2f} s  peak {peak:.1f} GB  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
+    return row
+
+
+def time_mixed_kernel(off) -> float:
+    """The A1 mixed kernel over this model's streamed layers, on the same buffers and thread count."""
+    from offload_ext.backends.native import default_engine_threads
+
+    layers = [b for stack in off._stacks for b in stack.host]
+    offload_ext.set_num_threads(default_engine_threads(), pin=True)
+
+    def once() -> None:
+        for b in layers:
+            offload_ext.adamw_step(b.master, b.grads, b.exp_avg, b.exp_avg_sq, lr=0.0, beta1=0.9, beta2=0.999,
+                                   eps=1e-8, weight_decay=0.0, step=1000, param_out=b.trainable_params)
+    return _common.median_seconds(once, steps=5, warmup=1)
+
+
+def main() -> None:
+    a = parse()
+    modes = [m for m in a.modes.split(",") if m]
+    base = build_model(a)
+    n_params = sum(p.numel() for p in base.parameters())
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).cuda()
+    print(f"B1: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch {a.batch} x {a.seq}, "
+          f"compile={a.compile}", flush=True)
+    rows = [run_mode(m, base, a, tokens) for m in modes]
+    resident = next((r for r in rows if r["mode"] == "resident"), None)
+    lines = ["| mode | s/step | tok/s | vs resident (time) | forward s | step() wait s | set-up s | GPU peak GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["step_s"] / resident["step_s"] if resident else float("nan")
+        r["time_ratio_vs_resident"] = ratio
+        lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
+                     f"{r['forward_s']:.4f} | {r['step_wait_s']:.4f} | {r['setup_s']:.2f} | {r['gpu_peak_gb']:.2f} |")
+    mixed = next((r for r in rows if "a1_mixed_kernel_s" in r), None)
+    if mixed:
+        bound = mixed["forward_s"] + 1.1 * mixed["a1_mixed_kernel_s"]
+        lines += ["", f"native-mixed: step {mixed['step_s']:.4f} s vs forward + 1.1 x mixed kernel "
+                      f"({mixed['forward_s']:.4f} + 1.1 x {mixed['a1_mixed_kernel_s']:.4f}) = {bound:.4f} s"]
+    markdown = "\n".join(lines)
+    print("\n" + markdown)
+    stem = a.stem or ("train_b1_compile" if a.compile else "train_b1")
+    for path in _common.write_results(stem, {"args": vars(a), "params": n_params, "rows": rows}, markdown):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
