@@ -9,6 +9,7 @@ layer's flat device buffer and, with the layer's last one, sends it to the host.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +107,11 @@ class Offloader:
                                      pin_threads=pin_threads)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
+        t0 = time.perf_counter()
         self._stacks = [self._lay_out(name, stack) for name, stack in stacks]
+        t1 = time.perf_counter()
         self._outer, self._outer_masters, self._outer_opt = self._move_outer(model, stacked)
+        self.setup_seconds = {"layout_and_pin": t1 - t0, "outer_to_device": time.perf_counter() - t1}
         for stack in self._stacks:
             for i, layer in enumerate(stack.layers):
                 self._wrap_layer(stack, i, layer)
@@ -133,17 +137,15 @@ class Offloader:
             per_layer = [n + sum(s.numel for s in slots[:t]) for n, slots, t in zip(sizes, stack.slots, stack.trainable)]
             self._backend.reserve(2 * sum(per_layer) + (1 << 20) * len(per_layer))
         for slots, t, n in zip(stack.slots, stack.trainable, sizes):
-            trainable_numel = sum(s.numel for s in slots[:t])
-            flat = torch.empty(n, dtype=torch.bfloat16)
-            master = torch.empty(trainable_numel, dtype=torch.float32) if self.precision == "mixed" else None
+            host = self._backend.new_layer(n, sum(s.numel for s in slots[:t]))
             for k, s in enumerate(slots):
                 src = s.param.detach().reshape(-1)
-                flat[s.offset:s.offset + s.numel].copy_(src)
-                if master is not None and k < t:
-                    master[s.offset:s.offset + s.numel].copy_(src)
+                host.params[s.offset:s.offset + s.numel].copy_(src)
+                if host.master is not None and k < t:
+                    host.master[s.offset:s.offset + s.numel].copy_(src)
                 # The original storage is dropped; the layer lives on the host from now on.
                 s.param.data = torch.empty(0, dtype=torch.bfloat16, device=self.device)
-            stack.host.append(self._backend.new_layer(flat, trainable_numel, master))
+            stack.host.append(host)
             stack.grad_count.append(0)
         largest = max(sizes)
         largest_grad = max(b.trainable for b in stack.host)
@@ -361,7 +363,8 @@ class Offloader:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"step": self._step, "last_step_wait_s": self.last_step_wait, **self._backend.stats()}
+        setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
+        return {"step": self._step, "last_step_wait_s": self.last_step_wait, **setup, **self._backend.stats()}
 
     def close(self) -> None:
         """Detach from the model: it becomes an ordinary module on the CPU holding its current weights."""

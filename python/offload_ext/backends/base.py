@@ -45,8 +45,8 @@ class Backend(ABC):
         self.precision = precision
 
     @abstractmethod
-    def new_layer(self, flat_params: torch.Tensor, trainable: int, master: torch.Tensor | None) -> LayerBuffers:
-        """Host buffers for one layer, filled from `flat_params` (bf16) and `master` (fp32, mixed)."""
+    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
+        """Host buffers for one layer: params (and master) for the caller to fill, zeroed moments."""
 
     @abstractmethod
     def device_buffer(self, numel: int) -> torch.Tensor:

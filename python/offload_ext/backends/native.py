@@ -41,18 +41,14 @@ class NativeBackend(Backend):
         """Page-lock all pinned memory in one go (slabs in parallel) before laying out layers."""
         self._engine.reserve_pinned(pinned_bytes)
 
-    def new_layer(self, flat_params: torch.Tensor, trainable: int, master: torch.Tensor | None) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
         e = self._engine
-        params = e.pinned_empty(flat_params.numel(), torch.bfloat16)
-        params.copy_(flat_params)
+        params = e.pinned_empty(numel, torch.bfloat16)
         grads = e.pinned_empty(trainable, torch.bfloat16).zero_()
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         exp_avg = e.host_empty(trainable, state_dtype).zero_()
         exp_avg_sq = e.host_empty(trainable, state_dtype).zero_()
-        master_buf = None
-        if master is not None:
-            master_buf = e.host_empty(trainable, torch.float32)
-            master_buf.copy_(master)
+        master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable)
         if self.precision == "mixed":
             unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params)

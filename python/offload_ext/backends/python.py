@@ -69,16 +69,15 @@ class PythonBackend(Backend):
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=pin and self._pin)
 
-    def new_layer(self, flat_params: torch.Tensor, trainable: int, master: torch.Tensor | None) -> LayerBuffers:
-        params = self._host(flat_params.numel(), torch.bfloat16, pin=True)
-        params.copy_(flat_params)
+    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
+        params = self._host(numel, torch.bfloat16, pin=True)
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         layer = LayerBuffers(
             params=params,
             grads=self._host(trainable, torch.bfloat16, pin=True).zero_(),
             exp_avg=torch.zeros(trainable, dtype=state_dtype),
             exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
-            master=master.clone() if master is not None else None,
+            master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
             trainable=trainable,
         )
         if self.precision == "mixed":
