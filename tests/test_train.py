@@ -1,0 +1,119 @@
+"""offload-train on the CPU: the embedded default learns, metrics and checkpoints are right, resume is exact."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from offload_ext import train
+
+FAST = ["--steps", "12", "--batch-size", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(autouse=True)
+def _no_progress_bar(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_TRAIN_NO_BAR", "1")
+
+
+def _metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    summary = train.run(train.parse_args(["--out", out, "--steps", "24", "--batch-size", "4", "--seq-len", "32"]))
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    for r in rows:
+        assert set(r) >= {"step", "loss", "lr", "tokens_per_s", "gpu_mem_gb"}
+        assert r["tokens_per_s"] > 0 and r["lr"] > 0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.4
+    assert summary["final_loss"] == rows[-1]["loss"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint"))
+    assert model.config.num_hidden_layers == train.BUILTIN["tiny"][1]
+
+
+@pytest.mark.parametrize("extra", [[], ["--device", "cpu-sim", "--backend", "native", "--precision", "mixed"]])
+def test_resume_continues_with_the_same_losses(tmp_path, extra) -> None:
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    train.run(train.parse_args(["--out", straight, *FAST, *extra]))
+    train.run(train.parse_args(["--out", split, *FAST, *extra, "--stop-after", "5"]))
+    assert len(_metrics(split)) == 5
+    train.run(train.parse_args(["--out", split, *FAST, *extra, "--resume"]))
+    assert [r["loss"] for r in _metrics(split)] == [r["loss"] for r in _metrics(straight)]
+
+
+def _fails(argv: list[str], pattern: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    assert pattern in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(tmp_path, capsys) -> None:
+    _fails(["--out", str(tmp_path), "--model", str(tmp_path / "no-such-model"), *FAST],
+           "is not a built-in config", capsys)
+
+
+def test_seq_len_above_the_models_maximum_is_a_clear_error(tmp_path, capsys) -> None:
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "short-llama"
+    LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(str(model_dir))
+    _fails(["--out", str(tmp_path / "o"), "--model", str(model_dir), "--from-scratch", "--steps", "1",
+            "--batch-size", "1", "--seq-len", "128"],
+           "--seq-len 128 is above the model's maximum of 64 positions", capsys)
+
+
+def test_missing_text_field_is_a_clear_error(tmp_path, capsys) -> None:
+    pytest.importorskip("datasets")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"content": f"line {i} " * 20}) for i in range(50)))
+    tok = tmp_path / "tok"
+    _train_a_tokenizer(tok)
+    _fails(["--out", str(tmp_path / "o"), "--dataset", str(data), "--tokenizer", str(tok), *FAST],
+           "--text-field 'text' is not a column", capsys)
+
+
+def test_a_local_jsonl_dataset_trains(tmp_path) -> None:
+    pytest.importorskip("datasets")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"content": f"def f{i}(x):\n    return x + {i}\n"}) for i in range(400)))
+    tok = tmp_path / "tok"
+    _train_a_tokenizer(tok)
+    out = str(tmp_path / "o")
+    train.run(train.parse_args(["--out", out, "--dataset", str(data), "--text-field", "content", "--tokenizer",
+                                str(tok), "--streaming", *FAST]))
+    rows = _metrics(out)
+    assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+def _train_a_tokenizer(path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from offload_ext import data
+
+    tok = data.train_tokenizer(["def f(x):\n    return x + 1\n" * 50], 300, str(path / "tokenizer.json"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(path))
+
+
+def test_native_backend_without_the_extension_is_a_clear_error(tmp_path, capsys, monkeypatch) -> None:
+    from offload_ext import _ext
+
+    monkeypatch.setattr(_ext, "_native", None)
+    monkeypatch.setattr(_ext, "_error", "compiler not found")
+    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--backend", "native", *FAST],
+           "--backend native: the native extension is not available (compiler not found)", capsys)
+
+
+def test_offload_flags_the_engine_cannot_honour_are_refused(tmp_path, capsys) -> None:
+    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--max-grad-norm", "1.0", *FAST],
+           "cannot clip gradients yet", capsys)
+    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--grad-accum", "2", *FAST],
+           "cannot accumulate gradients", capsys)
