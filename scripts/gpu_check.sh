@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune train
-# train-compile (default: build test adamw train).
+# train-compile test-gpu train-quick train-1b train-default (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,20 @@ for step in "${steps[@]}"; do
   case "$step" in
     build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
     test) run test python3 -m pytest -q -rs tests ;;
+    test-gpu) run test_gpu python3 -m pytest -q -rs tests/test_offloader_gpu.py ;;
+    train-1b)  # issue 4: offload-train on the 1B shape, interrupted half way and resumed
+      export OFFLOAD_TRAIN_NO_BAR=1
+      run train_1b_a offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --stop-after 12 \
+        --lr 1e-4 --warmup-steps 2 --out /tmp/run_1b
+      run train_1b_b offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --resume \
+        --lr 1e-4 --warmup-steps 2 --out /tmp/run_1b
+      cp /tmp/run_1b/metrics.jsonl "$OUT/metrics_1b.jsonl" ;;
+    train-default)
+      OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default
+      cp /tmp/run_default/metrics.jsonl "$OUT/metrics_default.jsonl" ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     train) run train python3 benchmarks/bench_train.py ;;
+    train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -120,6 +120,30 @@ def test_randomly_delayed_copies_change_nothing(backend) -> None:
     off.close()
 
 
+def test_a_grad_ring_smaller_than_the_stack_waits_for_each_slots_step() -> None:
+    base = tiny_llama(layers=5)
+    ref_losses, ref_model = reference_training(base, batches(3), "mixed", LR, WD)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu",
+                                grad_slots=2)
+    off._backend.engine.set_debug_delay_us(2000)
+    assert offloaded_training(off, model, batches(3)) == ref_losses
+    off.close()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_host_zeros_reads_zero_also_when_memory_is_reused() -> None:
+    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
+    first = engine.host_zeros(1000, torch.float32)
+    assert torch.count_nonzero(first) == 0
+    first.fill_(7.0)
+    del first
+    again = engine.host_zeros(1000, torch.float32)
+    assert torch.count_nonzero(again) == 0
+    assert engine.memory_stats()["host_in_use"] >= 4000
+
+
 def _delay_python_copies(off) -> None:
     import random
     import time

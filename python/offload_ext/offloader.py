@@ -81,6 +81,7 @@ class Offloader:
         compile_layers: bool = False,
         num_threads: int | None = None,
         pin_threads: bool = True,
+        grad_slots: int = 6,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -104,11 +105,14 @@ class Offloader:
         if self._hf_checkpointing:
             model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
         self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,
-                                     pin_threads=pin_threads)
+                                     pin_threads=pin_threads, grad_slots=grad_slots)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
         t0 = time.perf_counter()
-        self._stacks = [self._lay_out(name, stack) for name, stack in stacks]
+        self._stacks = [self._plan(name, stack) for name, stack in stacks]
+        self._backend.prepare([size for stack in self._stacks for size in self._sizes(stack)])
+        for stack in self._stacks:
+            self._fill(stack)
         t1 = time.perf_counter()
         self._outer, self._outer_masters, self._outer_opt = self._move_outer(model, stacked)
         self.setup_seconds = {"layout_and_pin": t1 - t0, "outer_to_device": time.perf_counter() - t1}
@@ -120,11 +124,11 @@ class Offloader:
 
     # ------------------------------------------------------------------ layout
 
-    def _lay_out(self, name: str, module: nn.Module) -> _Stack:
+    def _plan(self, name: str, module: nn.Module) -> _Stack:
+        """Order each layer's parameters (trainable first) and give each its offset in the flat buffer."""
         stack = _Stack(name, list(module))
-        sizes = []
         for layer in stack.layers:
-            params = [p for p in layer.parameters()]
+            params = list(layer.parameters())
             ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
             slots, offset = [], 0
             for p in ordered:
@@ -132,28 +136,31 @@ class Offloader:
                 offset += p.numel()
             stack.slots.append(slots)
             stack.trainable.append(sum(p.requires_grad for p in params))
-            sizes.append(offset)
-        if hasattr(self._backend, "reserve"):
-            per_layer = [n + sum(s.numel for s in slots[:t]) for n, slots, t in zip(sizes, stack.slots, stack.trainable)]
-            self._backend.reserve(2 * sum(per_layer) + (1 << 20) * len(per_layer))
-        for slots, t, n in zip(stack.slots, stack.trainable, sizes):
-            host = self._backend.new_layer(n, sum(s.numel for s in slots[:t]))
+        return stack
+
+    @staticmethod
+    def _sizes(stack: _Stack) -> list[tuple[int, int]]:
+        """(numel, trainable numel) per layer."""
+        return [(sum(s.numel for s in slots), sum(s.numel for s in slots[:t]))
+                for slots, t in zip(stack.slots, stack.trainable)]
+
+    def _fill(self, stack: _Stack) -> None:
+        """Move each layer's values into its host buffers; the module keeps empty device placeholders."""
+        for slots, t, (n, trainable) in zip(stack.slots, stack.trainable, self._sizes(stack)):
+            host = self._backend.new_layer(n, trainable)
             for k, s in enumerate(slots):
                 src = s.param.detach().reshape(-1)
                 host.params[s.offset:s.offset + s.numel].copy_(src)
                 if host.master is not None and k < t:
                     host.master[s.offset:s.offset + s.numel].copy_(src)
-                # The original storage is dropped; the layer lives on the host from now on.
                 s.param.data = torch.empty(0, dtype=torch.bfloat16, device=self.device)
             stack.host.append(host)
             stack.grad_count.append(0)
-        largest = max(sizes)
-        largest_grad = max(b.trainable for b in stack.host)
-        stack.dev_params = [self._backend.device_buffer(largest) for _ in range(2)]
-        stack.dev_grads = [self._backend.device_buffer(max(1, largest_grad)) for _ in range(2)]
+        sizes = self._sizes(stack)
+        stack.dev_params = [self._backend.device_buffer(max(n for n, _ in sizes)) for _ in range(2)]
+        stack.dev_grads = [self._backend.device_buffer(max(1, max(t for _, t in sizes))) for _ in range(2)]
         stack.unit = list(range(self._layer_count, self._layer_count + len(stack.layers)))
         self._layer_count += len(stack.layers)
-        return stack
 
     def _move_outer(self, model: nn.Module, stacked: set[int]):
         outer = [p for p in model.parameters() if id(p) not in stacked]

@@ -21,10 +21,11 @@ from . import data as data_mod
 from .losses import causal_lm_loss
 
 BUILTIN = {
-    # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab)
-    "tiny": (64, 4, 4, 2, 176, True, 1024),
-    "small": (512, 8, 8, 4, 1408, True, 4096),
-    "llama-1b": (2048, 16, 32, 8, 8192, True, 8192),
+    # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab, model vocab or None)
+    "tiny": (64, 4, 4, 2, 176, True, 1024, None),
+    "small": (512, 8, 8, 4, 1408, True, 4096, None),
+    # Llama-3.2-1B's shape, its 128256-entry embedding included (the embedded tokenizer uses 8192 of them).
+    "llama-1b": (2048, 16, 32, 8, 8192, True, 8192, 128256),
 }
 
 
@@ -124,12 +125,17 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     if args.model in BUILTIN:
         if args.pretrained:
             raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch")
-        hidden, layers, heads, kv, inter, tied, _ = BUILTIN[args.model]
-        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        hidden, layers, heads, kv, inter, tied, _, model_vocab = BUILTIN[args.model]
+        cfg = LlamaConfig(vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                           tie_word_embeddings=tied, max_position_embeddings=max(2048, args.seq_len),
                           rope_theta=500000.0, use_cache=False)
-        return LlamaForCausalLM(cfg)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # born bf16, the dtype it trains in: no fp32 copy to make
+        try:
+            return LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(previous)
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
@@ -224,7 +230,7 @@ class Trainer:
             from .optim import CPUAdamW
 
             print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
-            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed")
 
     def train_step(self, stream: data_mod.TokenStream, lr: float) -> float:
         a = self.args

@@ -23,7 +23,8 @@ class LayerBuffers:
     """One streamed layer on the host. `params` is laid out trainable-first, then frozen."""
 
     params: torch.Tensor            # bf16, pinned: the H2D source
-    grads: torch.Tensor             # bf16, pinned: the D2H target (trainable part only)
+    grads: torch.Tensor             # bf16, pinned: the D2H target (trainable part only; the native
+                                    # backend's layers share a small ring of these)
     exp_avg: torch.Tensor           # bf16 ("bf16") or fp32 ("mixed")
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
@@ -43,6 +44,9 @@ class Backend(ABC):
     def __init__(self, device: torch.device, precision: str) -> None:
         self.device = device
         self.precision = precision
+
+    def prepare(self, sizes: list[tuple[int, int]]) -> None:
+        """Told once, before new_layer, the (numel, trainable numel) of every layer to come."""
 
     @abstractmethod
     def new_layer(self, numel: int, trainable: int) -> LayerBuffers:

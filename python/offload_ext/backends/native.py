@@ -3,6 +3,8 @@
 A layer's gradient copy carries a host callback that queues the layer's fused AdamW step on the
 engine's worker threads at once, so the CPU steps layer i while the GPU runs backward below it;
 the step writes bf16 params straight into the pinned buffer the next forward copies from.
+Gradients land in a small ring of pinned staging slots rather than one buffer per layer: a slot is
+reused only once the step that reads it is done, which halves the memory to page-lock.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def default_engine_threads() -> int:
 
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
-                 pin_threads: bool = True, slab_bytes: int = 256 << 20, **_: Any) -> None:
+                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, **_: Any) -> None:
         super().__init__(device, precision)
         ext = native()
         if device.type == "cuda" and not ext.native_info()["cuda"]:
@@ -35,19 +37,25 @@ class NativeBackend(Backend):
         index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
         self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes)
         self._units: list[int] = []
-        self._notified = False
+        self._grad_slots = grad_slots
+        self._ring: list[torch.Tensor] = []
+        self._slot_owner: list[int | None] = [None] * grad_slots  # unit whose step reads the slot
 
-    def reserve(self, pinned_bytes: int) -> None:
-        """Page-lock all pinned memory in one go (slabs in parallel) before laying out layers."""
-        self._engine.reserve_pinned(pinned_bytes)
+    def prepare(self, sizes: list[tuple[int, int]]) -> None:
+        """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
+        largest = max(t for _, t in sizes)
+        align = 1 << 12
+        pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
+        self._engine.reserve_pinned(pinned)
+        self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
     def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
-        grads = e.pinned_empty(trainable, torch.bfloat16).zero_()
+        grads = self._ring[len(self._units) % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
-        exp_avg = e.host_empty(trainable, state_dtype).zero_()
-        exp_avg_sq = e.host_empty(trainable, state_dtype).zero_()
+        exp_avg = e.host_zeros(trainable, state_dtype)
+        exp_avg_sq = e.host_zeros(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable)
         if self.precision == "mixed":
@@ -67,7 +75,11 @@ class NativeBackend(Backend):
         self._engine.compute_wait(event)
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
-        self._notified = True
+        slot = index % self._grad_slots
+        owner = self._slot_owner[slot]
+        if owner is not None and owner != index:
+            self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
+        self._slot_owner[slot] = index
         return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index])
 
     def begin_step(self, hyper: Hyper) -> None:
@@ -77,7 +89,6 @@ class NativeBackend(Backend):
     def finish_step(self) -> float:
         t0 = time.perf_counter()
         self._engine.wait_all()
-        self._notified = False
         return time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:

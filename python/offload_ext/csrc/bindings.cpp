@@ -140,6 +140,9 @@ class Engine {
   at::Tensor host_empty(int64_t numel, at::ScalarType dtype) {
     return wrap_block(host_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
   }
+  at::Tensor host_zeros(int64_t numel, at::ScalarType dtype) {
+    return wrap_block(host_->allocate(numel * c10::elementSize(dtype), true), numel, dtype);
+  }
   void reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
 
   py::dict memory_stats() const {
@@ -302,6 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("slab_bytes"))
       .def("pinned_empty", &Engine::pinned_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_empty", &Engine::host_empty, py::arg("numel"), py::arg("dtype"))
+      .def("host_zeros", &Engine::host_zeros, py::arg("numel"), py::arg("dtype"))
       .def("reserve_pinned", &Engine::reserve_pinned, Release())
       .def("memory_stats", &Engine::memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("wait") = nullptr,

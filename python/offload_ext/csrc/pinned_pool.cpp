@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -101,7 +102,7 @@ void PinnedPool::reserve(size_t bytes) {
   add_slabs(sizes);
 }
 
-std::shared_ptr<void> PinnedPool::allocate(size_t bytes) {
+std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero) {
   const size_t need = round_up(std::max<size_t>(bytes, 1), kAlign);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = std::find_if(free_.begin(), free_.end(), [&](const auto& kv) { return kv.second >= need; });
@@ -114,6 +115,11 @@ std::shared_ptr<void> PinnedPool::allocate(size_t bytes) {
   free_.erase(it);
   if (rest) free_[ptr + need] = rest;
   in_use_ += need;
+  char* slab = std::prev(slab_starts_.upper_bound(ptr))->first;
+  char*& high = high_water_[slab];
+  if (high == nullptr) high = slab;
+  if (zero && ptr < high) std::memset(ptr, 0, need);  // reused memory; fresh pages are zero already
+  high = std::max(high, ptr + need);
   // Each block keeps the pool (and so its slab) alive: a tensor may outlive its engine.
   std::shared_ptr<PinnedPool> self = shared_from_this();
   return std::shared_ptr<void>(ptr, [self, need](void* p) { self->release(static_cast<char*>(p), need); });

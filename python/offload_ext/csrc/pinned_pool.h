@@ -27,7 +27,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   PinnedPool& operator=(const PinnedPool&) = delete;
 
   // An aligned block of at least `bytes`; the shared_ptr gives it back to the pool when released.
-  std::shared_ptr<void> allocate(size_t bytes);
+  // zero: the block reads as zeros (free for never-used slab memory, which the OS hands out zeroed).
+  std::shared_ptr<void> allocate(size_t bytes, bool zero = false);
   // Adds enough slabs for `bytes` more, created and page-locked concurrently.
   void reserve(size_t bytes);
   PinnedStats stats() const;
@@ -44,6 +45,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   std::vector<std::unique_ptr<Slab>> slabs_;
   std::map<char*, size_t> free_;  // address -> size of free ranges, coalesced within a slab
   std::map<char*, size_t> slab_starts_;  // never coalesce across slabs: each is its own registration
+  std::map<char*, char*> high_water_;    // slab start -> end of the highest block ever handed out
   size_t reserved_ = 0;
   size_t in_use_ = 0;
 };
