@@ -197,3 +197,12 @@ def test_unknown_precision_and_backend_are_refused() -> None:
         offload_ext.Offloader(tiny_llama(layers=2), precision="fp8", device="cpu")
     with pytest.raises(ValueError, match="backend must be 'native' or 'python'"):
         offload_ext.Offloader(tiny_llama(layers=2), backend="jax", device="cpu")
+
+
+def test_hf_gradient_checkpointing_is_paused_while_attached_and_restored_on_close() -> None:
+    model = tiny_llama(layers=2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with offload_ext.Offloader(model, backend="native", device="cpu") as off:
+        assert not model.model.layers[0].gradient_checkpointing  # the Offloader checkpoints each layer itself
+        offloaded_training(off, model, batches(1))
+    assert model.model.layers[0].gradient_checkpointing

@@ -101,7 +101,8 @@ class Offloader:
         self._closed = False
         self._hooks: list[Any] = []
         self._compile = compile_layers
-        self._hf_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        self._hf_checkpointing = bool(getattr(model, "is_activation_checkpointing",
+                                              getattr(model, "is_gradient_checkpointing", False)))
         if self._hf_checkpointing:
             model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
         self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,

@@ -224,6 +224,9 @@ class Trainer:
             for layer in model.model.layers:
                 layer.compile()
         params = [p for p in model.parameters() if p.requires_grad]
+        if self.device.type == "cuda" and a.precision == "mixed":
+            raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
+                             "use --backend native, or --precision bf16 with --backend none")
         if self.device.type == "cuda":
             self.opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=True)
         else:
