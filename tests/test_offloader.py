@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import offload_ext
+from conftest import bf16_ulp_distance
 from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama
 
 LR, WD = 1e-2, 0.1
@@ -206,3 +207,20 @@ def test_hf_gradient_checkpointing_is_paused_while_attached_and_restored_on_clos
         assert not model.model.layers[0].gradient_checkpointing  # the Offloader checkpoints each layer itself
         offloaded_training(off, model, batches(1))
     assert model.model.layers[0].gradient_checkpointing
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_offload_all_steps_every_parameter_on_the_host_like_training_without_offload(backend, precision) -> None:
+    base = tiny_llama(layers=3)
+    ref_losses, ref_model = reference_training(base, batches(4), precision, LR, WD)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend,
+                                device="cpu", offload_all=True)
+    assert off._outer_opt is None  # no device optimizer: the embeddings, norm and head are host-stepped
+    losses = offloaded_training(off, model, batches(4))
+    off.close()
+    for ours, ref in zip(losses, ref_losses):
+        assert ours == pytest.approx(ref, rel=1e-3)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert bf16_ulp_distance(a, b).max().item() <= 2, name

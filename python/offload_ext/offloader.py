@@ -45,6 +45,7 @@ class _Stack:
     loaded: list[Any] = field(default_factory=lambda: [None, None])
     grads_free: list[Any] = field(default_factory=lambda: [None, None])
     grad_count: list[int] = field(default_factory=list)
+    received: list[set[int]] = field(default_factory=list)   # per layer: slots whose grad arrived
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -82,6 +83,7 @@ class Offloader:
         num_threads: int | None = None,
         pin_threads: bool = True,
         grad_slots: int = 6,
+        offload_all: bool = False,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -110,10 +112,21 @@ class Offloader:
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
         t0 = time.perf_counter()
-        self._stacks = [self._plan(name, stack) for name, stack in stacks]
-        self._backend.prepare([size for stack in self._stacks for size in self._sizes(stack)])
+        self._stacks = [self._plan(name, list(stack), [list(l.parameters()) for l in stack])
+                        for name, stack in stacks]
+        # offload_all: everything outside the stacks becomes one more host unit; its bf16 weights stay
+        # on the device (they are used throughout), its grads and optimizer state live on the host.
+        self._host_outer: _Stack | None = None
+        rest = [p for p in model.parameters() if id(p) not in stacked]
+        if offload_all and rest:
+            self._host_outer = self._plan("outside the stacks", [model], [rest])
+            stacked |= {id(p) for p in rest}
+        own = self._sizes(self._host_outer) if self._host_outer else []
+        self._backend.prepare([size for stack in self._stacks for size in self._sizes(stack)], own)
         for stack in self._stacks:
             self._fill(stack)
+        if self._host_outer is not None:
+            self._fill(self._host_outer, device_buffers=1, own_grads=True)  # bound by _prefetch_first
         t1 = time.perf_counter()
         self._outer, self._outer_masters, self._outer_opt = self._move_outer(model, stacked)
         self.setup_seconds = {"layout_and_pin": t1 - t0, "outer_to_device": time.perf_counter() - t1}
@@ -121,15 +134,16 @@ class Offloader:
             for i, layer in enumerate(stack.layers):
                 self._wrap_layer(stack, i, layer)
                 self._hook_grads(stack, i)
+        if self._host_outer is not None:
+            self._hook_grads(self._host_outer, 0)
         self._prefetch_first()
 
     # ------------------------------------------------------------------ layout
 
-    def _plan(self, name: str, module: nn.Module) -> _Stack:
+    def _plan(self, name: str, layers: list[nn.Module], params_per_layer: list[list[nn.Parameter]]) -> _Stack:
         """Order each layer's parameters (trainable first) and give each its offset in the flat buffer."""
-        stack = _Stack(name, list(module))
-        for layer in stack.layers:
-            params = list(layer.parameters())
+        stack = _Stack(name, layers)
+        for params in params_per_layer:
             ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
             slots, offset = [], 0
             for p in ordered:
@@ -145,10 +159,10 @@ class Offloader:
         return [(sum(s.numel for s in slots), sum(s.numel for s in slots[:t]))
                 for slots, t in zip(stack.slots, stack.trainable)]
 
-    def _fill(self, stack: _Stack) -> None:
+    def _fill(self, stack: _Stack, device_buffers: int = 2, own_grads: bool = False) -> None:
         """Move each layer's values into its host buffers; the module keeps empty device placeholders."""
         for slots, t, (n, trainable) in zip(stack.slots, stack.trainable, self._sizes(stack)):
-            host = self._backend.new_layer(n, trainable)
+            host = self._backend.new_layer(n, trainable, own_grads=own_grads)
             for k, s in enumerate(slots):
                 src = s.param.detach().reshape(-1)
                 host.params[s.offset:s.offset + s.numel].copy_(src)
@@ -157,9 +171,11 @@ class Offloader:
                 s.param.data = torch.empty(0, dtype=torch.bfloat16, device=self.device)
             stack.host.append(host)
             stack.grad_count.append(0)
+            stack.received.append(set())
         sizes = self._sizes(stack)
-        stack.dev_params = [self._backend.device_buffer(max(n for n, _ in sizes)) for _ in range(2)]
-        stack.dev_grads = [self._backend.device_buffer(max(1, max(t for _, t in sizes))) for _ in range(2)]
+        stack.dev_params = [self._backend.device_buffer(max(n for n, _ in sizes)) for _ in range(device_buffers)]
+        stack.dev_grads = [self._backend.device_buffer(max(1, max(t for _, t in sizes)))
+                           for _ in range(device_buffers)]
         stack.unit = list(range(self._layer_count, self._layer_count + len(stack.layers)))
         self._layer_count += len(stack.layers)
 
@@ -197,20 +213,24 @@ class Offloader:
         layer.forward = forward  # instance attribute; close() deletes it
 
     def _load(self, stack: _Stack, i: int) -> None:
-        slot = i % 2
+        slot = i % len(stack.dev_params)
         dst = stack.dev_params[slot][: stack.host[i].params.numel()]
         stack.loaded[slot] = self._backend.load(stack.host[i], dst)
         stack.resident[slot] = i
 
-    def _before_layer(self, stack: _Stack, i: int) -> None:
-        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
-        slot = i % 2
+    def _bind(self, stack: _Stack, i: int) -> None:
+        """Make layer i resident in its device buffer and point its parameters there."""
+        slot = i % len(stack.dev_params)
         if stack.resident[slot] != i:
             self._load(stack, i)
         self._backend.compute_wait(stack.loaded[slot])
         buf = stack.dev_params[slot]
         for s in stack.slots[i]:
             s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+
+    def _before_layer(self, stack: _Stack, i: int) -> None:
+        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
+        self._bind(stack, i)
         nxt = i - 1 if recompute else i + 1
         if 0 <= nxt < len(stack.layers) and stack.resident[nxt % 2] != nxt:
             self._load(stack, nxt)
@@ -221,14 +241,16 @@ class Offloader:
                 lambda p, s=s: self._on_grad(stack, i, s, p)))
 
     def _on_grad(self, stack: _Stack, i: int, s: _Slot, p: nn.Parameter) -> None:
-        slot = i % 2
+        slot = i % len(stack.dev_grads)
         if stack.grad_count[i] == 0 and stack.grads_free[slot] is not None:
             self._backend.compute_wait(stack.grads_free[slot])  # the slot's last D2H has landed
         stack.dev_grads[slot][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
         p.grad = None
         stack.grad_count[i] += 1
+        stack.received[i].add(s.offset)
         if stack.grad_count[i] == stack.trainable[i]:
             stack.grad_count[i] = 0
+            stack.received[i].clear()
             src = stack.dev_grads[slot][: stack.host[i].trainable]
             stack.grads_free[slot] = self._backend.flush_grads(stack.unit[i], stack.host[i], src)
 
@@ -265,15 +287,22 @@ class Offloader:
         self._backward_pending = False
         self._prefetch_first()
 
+    def _units(self) -> list[_Stack]:
+        """Every group of host-stepped parameters: the stacks, and the rest under offload_all."""
+        return self._stacks + ([self._host_outer] if self._host_outer is not None else [])
+
     def _check_grads_complete(self) -> None:
-        for stack in self._stacks:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for stack in self._units():
             for i, count in enumerate(stack.grad_count):
                 if count:
-                    missing = [n for n, p in stack.layers[i].named_parameters() if p.requires_grad and p.grad is None]
+                    missing = [names.get(id(s.param), "?") for s in stack.slots[i][: stack.trainable[i]]
+                               if s.offset not in stack.received[i]]
                     stack.grad_count[i] = 0
+                    stack.received[i].clear()
                     raise RuntimeError(
-                        f"Offloader: layer {stack.name}.{i} got gradients for only {count} of its "
-                        f"{stack.trainable[i]} trainable parameters (no grad for {missing[:4]}); freeze "
+                        f"Offloader: {stack.name} [{i}] got gradients for only {count} of its "
+                        f"{stack.trainable[i]} trainable parameters (none for {missing[:4]}); freeze "
                         "parameters that take no part in the loss (p.requires_grad_(False)) before building "
                         "the Offloader")
 
@@ -299,9 +328,11 @@ class Offloader:
             m.grad = None
 
     def _prefetch_first(self) -> None:
-        for stack in self._stacks:
-            stack.resident = [None, None]  # host params changed: every device copy is stale
+        for stack in self._units():
+            stack.resident = [None] * len(stack.dev_params)  # host params changed: device copies are stale
             self._load(stack, 0)
+        if self._host_outer is not None:
+            self._bind(self._host_outer, 0)  # used from the first op on: the compute stream waits for it
 
     # ------------------------------------------------------------------ state
 
@@ -313,7 +344,7 @@ class Offloader:
         self._check_open()
         self._settle()
         layers = []
-        for stack in self._stacks:
+        for stack in self._units():
             for b in stack.host:
                 layers.append({"params": b.params.clone(), "exp_avg": b.exp_avg.clone(),
                                "exp_avg_sq": b.exp_avg_sq.clone(),
@@ -332,7 +363,7 @@ class Offloader:
         if state["precision"] != self.precision:
             raise ValueError(f"Offloader: state is for precision {state['precision']!r}, this Offloader uses "
                              f"{self.precision!r}")
-        buffers = [b for stack in self._stacks for b in stack.host]
+        buffers = [b for stack in self._units() for b in stack.host]
         if len(state["layers"]) != len(buffers):
             raise ValueError(f"Offloader: state has {len(state['layers'])} layers, the model {len(buffers)}")
         for b, saved in zip(buffers, state["layers"]):
@@ -359,7 +390,7 @@ class Offloader:
         """The model's weights by name, as CPU tensors (streamed ones read from the host buffers)."""
         self._settle()
         streamed = {}
-        for stack in self._stacks:
+        for stack in self._units():
             for slots, b in zip(stack.slots, stack.host):
                 for s in slots:
                     streamed[id(s.param)] = b.params[s.offset:s.offset + s.numel].view(s.shape)

@@ -45,11 +45,12 @@ class Backend(ABC):
         self.device = device
         self.precision = precision
 
-    def prepare(self, sizes: list[tuple[int, int]]) -> None:
-        """Told once, before new_layer, the (numel, trainable numel) of every layer to come."""
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Told once, before new_layer, the (numel, trainable numel) of every layer to come; `own_grads`
+        are units that will ask for a gradient buffer of their own."""
 
     @abstractmethod
-    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
         """Host buffers for one layer: params (and master) for the caller to fill, zeroed moments."""
 
     @abstractmethod

@@ -40,19 +40,25 @@ class NativeBackend(Backend):
         self._grad_slots = grad_slots
         self._ring: list[torch.Tensor] = []
         self._slot_owner: list[int | None] = [None] * grad_slots  # unit whose step reads the slot
+        self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
 
-    def prepare(self, sizes: list[tuple[int, int]]) -> None:
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
         largest = max(t for _, t in sizes)
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
+        pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
-        grads = self._ring[len(self._units) % self._grad_slots][:trainable]
+        if own_grads:
+            self._own_grads.add(len(self._units))
+            grads = e.pinned_empty(max(1, trainable), torch.bfloat16)[:trainable]
+        else:
+            grads = self._ring[len(self._units) % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         exp_avg = e.host_zeros(trainable, state_dtype)
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
@@ -75,6 +81,8 @@ class NativeBackend(Backend):
         self._engine.compute_wait(event)
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        if index in self._own_grads:
+            return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index])
         slot = index % self._grad_slots
         owner = self._slot_owner[slot]
         if owner is not None and owner != index:

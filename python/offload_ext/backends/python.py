@@ -69,7 +69,8 @@ class PythonBackend(Backend):
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=pin and self._pin)
 
-    def new_layer(self, numel: int, trainable: int) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
+        # Here every layer has a grad buffer of its own, so own_grads changes nothing.
         params = self._host(numel, torch.bfloat16, pin=True)
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         layer = LayerBuffers(
