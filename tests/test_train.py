@@ -38,7 +38,8 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
     assert model.config.num_hidden_layers == train.BUILTIN["tiny"][1]
 
 
-@pytest.mark.parametrize("extra", [[], ["--device", "cpu-sim", "--backend", "native", "--precision", "mixed"]])
+@pytest.mark.parametrize("extra", [[], ["--device", "cpu-sim", "--backend", "native", "--precision", "mixed"],
+                                   ["--device", "cpu-sim", "--backend", "python", "--offload-all"]])
 def test_resume_continues_with_the_same_losses(tmp_path, extra) -> None:
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     train.run(train.parse_args(["--out", straight, *FAST, *extra]))

@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["none", "python", "native"], default="native",
                     help="none = no offload (the model and optimizer on the device)")
     ap.add_argument("--precision", choices=["bf16", "mixed"], default="bf16")
+    ap.add_argument("--offload-all", action="store_true",
+                    help="also keep the embeddings, final norm and head's grads and optimizer state on the host")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or cpu-sim (offload engine on the "
                                                      "simulated device); auto = cuda if available, else cpu")
     ap.add_argument("--no-activation-checkpointing", dest="checkpointing", action="store_false")
@@ -192,7 +194,8 @@ class Trainer:
             from .offloader import Offloader
 
             self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
-                                 backend=args.backend, device=device, compile_layers=args.compile)
+                                 backend=args.backend, device=device, compile_layers=args.compile,
+                                 offload_all=args.offload_all)
         else:
             self._plain_setup(simulated)
 
@@ -215,6 +218,8 @@ class Trainer:
         a, model = self.args, self.model
         if simulated:
             raise UsageError("--device cpu-sim runs the offload engine: pick --backend native or python")
+        if a.offload_all:
+            raise UsageError("--offload-all needs an offload backend (--backend native or python)")
         for p in model.parameters():
             p.data = p.data.to(self.device, torch.bfloat16)
         model.to(self.device)
