@@ -108,7 +108,7 @@ def test_native_backend_without_the_extension_is_a_clear_error(tmp_path, capsys,
     from offload_ext import _ext
 
     monkeypatch.setattr(_ext, "_native", None)
-    monkeypatch.setattr(_ext, "_error", "compiler not found")
+    monkeypatch.setattr(_ext, "_error", "compiler not found")  # what _load() records on a failed build
     _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--backend", "native", *FAST],
            "--backend native: the native extension is not available (compiler not found)", capsys)
 

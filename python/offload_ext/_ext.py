@@ -79,6 +79,11 @@ def available() -> bool:
     return _native is not None
 
 
+def error() -> str | None:
+    """Why the native extension is unavailable (None when it loaded)."""
+    return _error
+
+
 def origin() -> str:
     return _origin
 

@@ -20,5 +20,5 @@ def build_info() -> dict[str, Any]:
     if _ext.available():
         info.update(_ext.native().native_info())
     else:
-        info["native_error"] = _ext._error
+        info["native_error"] = _ext.error()
     return info

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from . import _ext
 
         if not _ext.available():
-            raise UsageError(f"--backend native: the native extension is not available ({_ext._error}); "
+            raise UsageError(f"--backend native: the native extension is not available ({_ext.error()}); "
                              "reinstall with `pip install --no-build-isolation .`, or use --backend python")
     os.makedirs(args.out, exist_ok=True)
     random.seed(args.seed)
