@@ -198,6 +198,8 @@ def test_unknown_precision_and_backend_are_refused() -> None:
         offload_ext.Offloader(tiny_llama(layers=2), precision="fp8", device="cpu")
     with pytest.raises(ValueError, match="backend must be 'native' or 'python'"):
         offload_ext.Offloader(tiny_llama(layers=2), backend="jax", device="cpu")
+    with pytest.raises(ValueError, match="grad_slots must be >= 1"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cpu", grad_slots=0)
 
 
 def test_hf_gradient_checkpointing_is_paused_while_attached_and_restored_on_close() -> None:

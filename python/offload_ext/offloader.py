@@ -87,6 +87,8 @@ class Offloader:
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
+        if grad_slots < 1:
+            raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
         self.device = _resolve_device(device)
         stacks = find_layer_stacks(model)
         if not stacks:
