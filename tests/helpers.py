@@ -36,8 +36,10 @@ def to_bf16_params(model: nn.Module) -> nn.Module:
     return model
 
 
-def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu"):
-    """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"."""
+def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu",
+                       micro_batches: int = 1):
+    """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"; with
+    micro_batches > 1, gradients accumulate in the params' .grad over that many batches per step."""
     model = copy.deepcopy(base)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
     to_bf16_params(model).to(device)
@@ -49,11 +51,13 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
                                 fused=True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     losses = []
-    for x in data:
+    for k, x in enumerate(data):
         x = x.to(device)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         losses.append(loss.item())
+        if k % micro_batches != micro_batches - 1:
+            continue
         if precision == "mixed":
             trainable = [p for p in model.parameters() if p.requires_grad]
             for p, m in zip(trainable, masters):

@@ -177,7 +177,7 @@ def test_backward_twice_without_step_is_refused() -> None:
     off = offload_ext.Offloader(model, backend="native", device="cpu")
     x = batches(1)[0]
     off.backward(model(input_ids=x, labels=x).loss)
-    with pytest.raises(RuntimeError, match="backward\\(\\) called twice without step\\(\\)"):
+    with pytest.raises(RuntimeError, match="backward\\(\\) called 2 times without step\\(\\), with grad_accum=1"):
         off.backward(model(input_ids=x, labels=x).loss)
 
 
@@ -226,3 +226,37 @@ def test_offload_all_steps_every_parameter_on_the_host_like_training_without_off
         assert ours == pytest.approx(ref, rel=1e-3)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert bf16_ulp_distance(a, b).max().item() <= 2, name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precision) -> None:
+    base = tiny_llama(layers=4)
+    data = batches(6)
+    ref_losses, ref_model = reference_training(base, data, precision, LR, WD, micro_batches=3)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
+                                grad_accum=3, grad_slots=2)
+    if backend == "native":
+        off._backend.engine.set_debug_delay_us(1000)
+    losses = []
+    for k, x in enumerate(data):
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
+        if k % 3 == 2:
+            off.step()
+            off.zero_grad()
+    off.close()
+    assert losses == ref_losses
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_step_before_all_micro_batches_is_refused() -> None:
+    model = tiny_llama(layers=2)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", grad_accum=2)
+    x = batches(1)[0]
+    off.backward(model(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match="step\\(\\) after 1 backward\\(\\) calls, with grad_accum=2"):
+        off.step()

@@ -84,9 +84,12 @@ class Offloader:
         pin_threads: bool = True,
         grad_slots: int = 6,
         offload_all: bool = False,
+        grad_accum: int = 1,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
+        if grad_accum < 1:
+            raise ValueError(f"Offloader: grad_accum must be >= 1 (backward() calls per step()), got {grad_accum}")
         if grad_slots < 1:
             raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
         self.device = _resolve_device(device)
@@ -102,6 +105,8 @@ class Offloader:
         self.last_step_wait = 0.0
         self._step = 0
         self._backward_pending = False
+        self.grad_accum = grad_accum
+        self._micro = 0  # backward() calls since the last step()
         self._closed = False
         self._hooks: list[Any] = []
         self._compile = compile_layers
@@ -110,7 +115,7 @@ class Offloader:
         if self._hf_checkpointing:
             model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
         self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,
-                                     pin_threads=pin_threads, grad_slots=grad_slots)
+                                     pin_threads=pin_threads, grad_slots=grad_slots, grad_accum=grad_accum)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
         t0 = time.perf_counter()
@@ -266,13 +271,19 @@ class Offloader:
         return Hyper(self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay, self._step + 1)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land."""
+        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land.
+
+        With grad_accum=N, call it N times per step(): the first N-1 only sum each layer's gradients on
+        the host; the N-th steps each layer as its summed gradients are complete.
+        """
         self._check_open()
-        if self._backward_pending:
-            raise RuntimeError("Offloader: backward() called twice without step(); gradient accumulation across "
-                               "backward calls is not supported yet: call step() after each backward(), or "
-                               "accumulate the loss of several micro-batches into one backward()")
+        if self._micro == self.grad_accum:
+            raise RuntimeError(f"Offloader: backward() called {self._micro + 1} times without step(), with "
+                               f"grad_accum={self.grad_accum}; call step() after every {self.grad_accum} "
+                               "backward() calls, or build the Offloader with a larger grad_accum")
+        self._micro += 1
         self._backend.begin_step(self._hyper())
+        self._backend.begin_micro(first=self._micro == 1, last=self._micro == self.grad_accum)
         self._backward_pending = True
         loss.backward()
 
@@ -281,12 +292,16 @@ class Offloader:
         self._check_open()
         if not self._backward_pending:
             raise RuntimeError("Offloader: step() without a preceding backward()")
+        if self._micro != self.grad_accum:
+            raise RuntimeError(f"Offloader: step() after {self._micro} backward() calls, with grad_accum="
+                               f"{self.grad_accum}: every step sums exactly grad_accum micro-batches")
         self.last_step_wait = self._backend.finish_step()
         self._check_grads_complete()
         if self._outer_opt is not None:
             self._step_outer()
         self._step += 1
         self._backward_pending = False
+        self._micro = 0
         self._prefetch_first()
 
     def _units(self) -> list[_Stack]:
@@ -434,4 +449,5 @@ class Offloader:
         if self._backward_pending and exc[0] is not None:
             self._backend.finish_step()  # drain: an exception mid-step must not leave threads writing
             self._backward_pending = False
+            self._micro = 0
         self.close()

@@ -195,7 +195,7 @@ class Trainer:
 
             self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
                                  backend=args.backend, device=device, compile_layers=args.compile,
-                                 offload_all=args.offload_all)
+                                 offload_all=args.offload_all, grad_accum=args.grad_accum)
         else:
             self._plain_setup(simulated)
 
@@ -210,9 +210,6 @@ class Trainer:
         if a.max_grad_norm is not None:
             raise UsageError("--max-grad-norm: the offload engine cannot clip gradients yet (each layer is stepped "
                              "as soon as its gradients land); drop the flag or use --backend none")
-        if a.grad_accum != 1:
-            raise UsageError("--grad-accum: the offload engine cannot accumulate gradients over several backward "
-                             "passes yet; raise --batch-size instead, or use --backend none")
 
     def _plain_setup(self, simulated: bool) -> None:
         a, model = self.args, self.model
@@ -244,11 +241,14 @@ class Trainer:
         a = self.args
         if self.off is not None:
             self.off.lr = lr
-            loss = causal_lm_loss(self.model, stream.next_batch().to(self.device))
-            self.off.backward(loss)
+            total = 0.0
+            for _ in range(a.grad_accum):
+                loss = causal_lm_loss(self.model, stream.next_batch().to(self.device)) / a.grad_accum
+                self.off.backward(loss)
+                total += loss.item()
             self.off.step()
             self.off.zero_grad()
-            return loss.item()
+            return total
         for group in self.opt.param_groups:
             group["lr"] = lr
         total = 0.0

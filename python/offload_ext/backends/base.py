@@ -29,6 +29,7 @@ class LayerBuffers:
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
+    accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (grad_accum > 1)
 
     @property
     def trainable_params(self) -> torch.Tensor:
@@ -41,9 +42,11 @@ class Backend(ABC):
     Events are opaque: whatever `load`/`flush_grads` return is only handed back to `compute_wait`.
     """
 
-    def __init__(self, device: torch.device, precision: str) -> None:
+    def __init__(self, device: torch.device, precision: str, grad_accum: int = 1) -> None:
         self.device = device
         self.precision = precision
+        self.grad_accum = grad_accum
+        self._first_micro, self._last_micro = True, True
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Told once, before new_layer, the (numel, trainable numel) of every layer to come; `own_grads`
@@ -72,6 +75,11 @@ class Backend(ABC):
     @abstractmethod
     def begin_step(self, hyper: Hyper) -> None:
         """Hyperparameters for the layers stepped in the coming backward."""
+
+    def begin_micro(self, first: bool, last: bool) -> None:
+        """The coming backward is the first and/or last micro-batch of a step (gradient accumulation):
+        only the last one steps; the others accumulate the layers' gradients on the host."""
+        self._first_micro, self._last_micro = first, last
 
     @abstractmethod
     def finish_step(self) -> float:

@@ -28,8 +28,9 @@ def default_engine_threads() -> int:
 
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
-                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, **_: Any) -> None:
-        super().__init__(device, precision)
+                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, grad_accum: int = 1,
+                 **_: Any) -> None:
+        super().__init__(device, precision, grad_accum)
         ext = native()
         if device.type == "cuda" and not ext.native_info()["cuda"]:
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
@@ -63,11 +64,12 @@ class NativeBackend(Backend):
         exp_avg = e.host_zeros(trainable, state_dtype)
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
-        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable)
+        accum = e.host_empty(trainable, torch.bfloat16) if self.grad_accum > 1 else None
+        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum)
         if self.precision == "mixed":
-            unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params)
+            unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum)
         else:
-            unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq)
+            unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq, accum=accum)
         self._units.append(unit)
         return layer
 
@@ -80,15 +82,21 @@ class NativeBackend(Backend):
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
 
+    def _job(self) -> int:
+        """The engine job a landed gradient copy triggers (see StepScheduler's Job)."""
+        if self.grad_accum == 1:
+            return 0
+        return 1 if self._first_micro else 3 if self._last_micro else 2
+
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         if index in self._own_grads:
-            return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index])
+            return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
         slot = index % self._grad_slots
         owner = self._slot_owner[slot]
         if owner is not None and owner != index:
             self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
         self._slot_owner[slot] = index
-        return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index])
+        return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
 
     def begin_step(self, hyper: Hyper) -> None:
         self._engine.check()  # a failed step from before surfaces here at the latest

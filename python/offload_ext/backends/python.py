@@ -55,8 +55,8 @@ class _ThreadCopies:
 
 
 class PythonBackend(Backend):
-    def __init__(self, device: torch.device, precision: str, **_: Any) -> None:
-        super().__init__(device, precision)
+    def __init__(self, device: torch.device, precision: str, grad_accum: int = 1, **_: Any) -> None:
+        super().__init__(device, precision, grad_accum)
         self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
         self._pin = device.type == "cuda"
         self._layers: list[LayerBuffers] = []
@@ -64,6 +64,7 @@ class PythonBackend(Backend):
         self._fp32_grads: list[torch.Tensor] = []       # mixed: grads upcast for torch's fp32 AdamW
         self._optimizer: torch.optim.AdamW | None = None
         self._pending: list[tuple[int, Any]] = []
+        self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
         self._hyper: Hyper | None = None
 
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -80,6 +81,7 @@ class PythonBackend(Backend):
             exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
             trainable=trainable,
+            accum=torch.empty(trainable, dtype=torch.bfloat16) if self.grad_accum > 1 else None,
         )
         if self.precision == "mixed":
             p = torch.nn.Parameter(layer.master)
@@ -103,9 +105,24 @@ class PythonBackend(Backend):
         self._copies.compute_wait(event)
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        if index in self._unfolded:
+            self._fold(index)  # the previous micro-batch's copy must be added before it is overwritten
         event = self._copies.copy(self._copies.d2h, layer.grads, src)
-        self._pending.append((index, event))
+        if self.grad_accum > 1:
+            self._unfolded[index] = (event, self._first_micro)
+        if self._last_micro:
+            self._pending.append((index, event))
         return event
+
+    def _fold(self, index: int) -> None:
+        """Add a landed micro-batch gradient into the layer's accumulator (bf16, like torch's .grad)."""
+        event, first = self._unfolded.pop(index)
+        self._copies.host_wait(event)
+        layer = self._layers[index]
+        if first:
+            layer.accum.copy_(layer.grads)
+        else:
+            layer.accum.add_(layer.grads)
 
     def begin_step(self, hyper: Hyper) -> None:
         self._hyper = hyper
@@ -128,6 +145,8 @@ class PythonBackend(Backend):
         t0 = time.perf_counter()
         for _, event in self._pending:
             self._copies.host_wait(event)
+        for index in list(self._unfolded):
+            self._fold(index)
         waited = time.perf_counter() - t0
         if not self._pending:
             return waited
@@ -141,10 +160,10 @@ class PythonBackend(Backend):
             if i not in stepped:
                 p.grad = None
             elif self.precision == "mixed":
-                self._fp32_grads[i].copy_(layer.grads)
+                self._fp32_grads[i].copy_(layer.accum if layer.accum is not None else layer.grads)
                 p.grad = self._fp32_grads[i]
             else:
-                p.grad = layer.grads
+                p.grad = layer.accum if layer.accum is not None else layer.grads
         opt.step()
         if self.precision == "mixed":
             for i in stepped:

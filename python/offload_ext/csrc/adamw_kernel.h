@@ -9,17 +9,10 @@
 #include <cstdint>
 
 #include "adamw.h"
+#include "bf16.h"
 
 namespace offload_ext {
 namespace {
-
-inline uint16_t bf16_round_bits(float x) {
-  uint32_t u;
-  __builtin_memcpy(&u, &x, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16 does
-  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
 
 struct ScalarVec {
   using F = float;
@@ -27,12 +20,7 @@ struct ScalarVec {
   static F set1(float x) { return x; }
   static F load_f32(const float* p) { return *p; }
   static void store_f32(float* p, F x) { *p = x; }
-  static F load_bf16(const uint16_t* p) {
-    const uint32_t u = static_cast<uint32_t>(*p) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof(f));
-    return f;
-  }
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static void store_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
   static void stream_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
   static void fence() {}

@@ -159,7 +159,9 @@ class Engine {
   }
 
   std::shared_ptr<Event> copy(int dir, const at::Tensor& dst, const at::Tensor& src, std::shared_ptr<Event> wait,
-                              bool after_compute, int notify_unit) {
+                              bool after_compute, int notify_unit, int job) {
+    TORCH_CHECK(job >= 0 && job <= 3, "Engine.copy: job must be 0 (step), 1 (accumulate first), 2 (accumulate) or "
+                "3 (accumulate and step), got ", num(static_cast<int64_t>(job)));
     check_flat(dst, "the copy's destination");
     check_flat(src, "the copy's source");
     TORCH_CHECK(dst.nbytes() == src.nbytes(), "Engine: copy between ", num(static_cast<int64_t>(src.nbytes())),
@@ -178,7 +180,8 @@ class Engine {
     if (notify_unit >= 0) {
       scheduler_->expect(notify_unit);
       auto sched = scheduler_;
-      on_done = [sched, notify_unit] { sched->notify(notify_unit); };
+      const Job kind = static_cast<Job>(job);
+      on_done = [sched, notify_unit, kind] { sched->notify(notify_unit, kind); };
     }
     return copies_->copy(d, dst.data_ptr(), src.data_ptr(), src.nbytes(), std::move(wait), after_compute,
                          compute_stream(), std::move(on_done));
@@ -191,7 +194,8 @@ class Engine {
   std::shared_ptr<Event> record_compute() { return copies_->record_compute(compute_stream()); }
 
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out) {
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+               const std::optional<at::Tensor>& accum) {
     const int64_t n = param.numel();
     check_span(param, "param", n);
     check_span(grad, "grad", n);
@@ -223,6 +227,13 @@ class Engine {
         check_dtype(*param_out, "param_out", at::kBFloat16, mode);
         u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
       }
+    }
+    if (accum.has_value()) {
+      check_span(*accum, "accum", n);
+      TORCH_CHECK(accum->scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16,
+                  "Engine.add_unit: gradient accumulation works on bf16 grads into a bf16 accum, got grad ",
+                  grad.scalar_type(), " and accum ", accum->scalar_type());
+      u.accum = reinterpret_cast<uint16_t*>(accum->data_ptr());
     }
     return scheduler_->add_unit(u);
   }
@@ -309,16 +320,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reserve_pinned", &Engine::reserve_pinned, Release())
       .def("memory_stats", &Engine::memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("wait") = nullptr,
-           py::arg("after_compute") = true, py::arg("notify_unit") = -1)
+           py::arg("after_compute") = true, py::arg("notify_unit") = -1, py::arg("job") = 0)
       .def("compute_wait", &Engine::compute_wait, Release())
       .def("record_compute", &Engine::record_compute)
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-           py::arg("exp_avg_sq"), py::arg("param_out") = py::none())
+           py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none())
       .def("set_hyper", &Engine::set_hyper)
       .def("notify", [](Engine& e, int unit) {
         e.scheduler().expect(unit);
         e.scheduler().notify(unit);
-      })
+      })  // a step of `unit` with gradients already in place
       .def("wait_unit", [](Engine& e, int unit) { e.scheduler().wait(unit); }, Release())
       .def("wait_all", [](Engine& e) { e.scheduler().wait_all(); }, Release())
       .def("check", [](Engine& e) { e.scheduler().check(); })

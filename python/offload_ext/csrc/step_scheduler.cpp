@@ -2,7 +2,11 @@
 // each unit's fused AdamW across the pool (the scheduling thread works as one of the pool's threads).
 #include "step_scheduler.h"
 
+#include "bf16.h"
+
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -39,7 +43,7 @@ void StepScheduler::expect(int id) {
   ++expected_[id];
 }
 
-void StepScheduler::notify(int id) {
+void StepScheduler::notify(int id, Job job) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (id < 0 || id >= static_cast<int>(units_.size())) {
@@ -48,14 +52,69 @@ void StepScheduler::notify(int id) {
       }
       return;
     }
-    queue_.emplace_back(id, hyper_);
+    if ((job != Job::kStep) && units_[id].accum == nullptr && !error_) {
+      error_ = std::make_exception_ptr(std::invalid_argument(
+          "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
+    }
+    queue_.push_back({id, hyper_, job});
   }
   work_cv_.notify_one();
 }
 
+namespace {
+
+// accum += g over bf16 spans (fp32 math, one rounding), spread over the pool.
+void bf16_accumulate(uint16_t* accum, const uint16_t* g, int64_t n, ThreadPool& pool) {
+  constexpr int64_t kChunk = int64_t{1} << 18;
+  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(n, (t + 1) * kChunk);
+    for (int64_t i = t * kChunk; i < end; ++i) {
+      accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
+    }
+  });
+}
+
+void parallel_copy(void* dst, const void* src, size_t bytes, ThreadPool& pool) {
+  constexpr size_t kChunk = size_t{1} << 20;
+  pool.parallel_for(static_cast<int64_t>((bytes + kChunk - 1) / kChunk), [&](int64_t t) {
+    const size_t begin = static_cast<size_t>(t) * kChunk;
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                std::min(kChunk, bytes - begin));
+  });
+}
+
+}  // namespace
+
+void StepScheduler::run(const StepUnit& unit, const Queued& job) {
+  const auto* landed = static_cast<const uint16_t*>(unit.grad);
+  switch (job.job) {
+    case Job::kAccumulateFirst:
+      parallel_copy(unit.accum, landed, static_cast<size_t>(unit.numel) * sizeof(uint16_t), *pool_);
+      return;
+    case Job::kAccumulate:
+      bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
+      return;
+    case Job::kAccumulateStep:
+      bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
+      break;
+    case Job::kStep:
+      break;
+  }
+  const void* grad = job.job == Job::kAccumulateStep ? unit.accum : unit.grad;
+  const SimdLevel level = active_simd_level();
+  if (unit.bf16_mode) {
+    adamw_bf16(static_cast<uint16_t*>(unit.param), static_cast<const uint16_t*>(grad),
+               static_cast<uint16_t*>(unit.exp_avg), static_cast<uint16_t*>(unit.exp_avg_sq), unit.numel,
+               job.hyper, *pool_, level);
+  } else {
+    adamw_fp32(static_cast<float*>(unit.param), grad, unit.grad_type, static_cast<float*>(unit.exp_avg),
+               static_cast<float*>(unit.exp_avg_sq), unit.param_out, unit.numel, job.hyper, *pool_, level);
+  }
+}
+
 void StepScheduler::loop() {
   for (;;) {
-    std::pair<int, AdamWHyper> job;
+    Queued job;
     bool skip;
     StepUnit unit;
     std::exception_ptr failure;
@@ -66,26 +125,18 @@ void StepScheduler::loop() {
       job = queue_.front();
       queue_.pop_front();
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
-      unit = units_[job.first];
+      unit = units_[job.unit];
       if (fail_next_ && !skip) {
         fail_next_ = false;
         failure = std::make_exception_ptr(std::runtime_error(
-            "StepScheduler: injected failure while stepping unit " + std::to_string(job.first)));
+            "StepScheduler: injected failure while stepping unit " + std::to_string(job.unit)));
         skip = true;
       }
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!skip) {
       try {
-        const SimdLevel level = active_simd_level();
-        if (unit.bf16_mode) {
-          adamw_bf16(static_cast<uint16_t*>(unit.param), static_cast<const uint16_t*>(unit.grad),
-                     static_cast<uint16_t*>(unit.exp_avg), static_cast<uint16_t*>(unit.exp_avg_sq), unit.numel,
-                     job.second, *pool_, level);
-        } else {
-          adamw_fp32(static_cast<float*>(unit.param), unit.grad, unit.grad_type, static_cast<float*>(unit.exp_avg),
-                     static_cast<float*>(unit.exp_avg_sq), unit.param_out, unit.numel, job.second, *pool_, level);
-        }
+        run(unit, job);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -94,7 +145,7 @@ void StepScheduler::loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure && !error_) error_ = failure;
-      ++stepped_[job.first];
+      ++stepped_[job.unit];
       if (!skip) {
         stats_.busy_seconds += seconds;
         ++stats_.units_stepped;

@@ -21,12 +21,21 @@ namespace offload_ext {
 struct StepUnit {
   bool bf16_mode;           // all-bf16 span; else fp32 master with grad_type grad
   void* param;              // bf16 or fp32
-  const void* grad;         // bf16 (bf16 mode) or grad_type
+  const void* grad;         // where the gradient copy lands: bf16 (bf16 mode) or grad_type
   GradType grad_type;
   void* exp_avg;
   void* exp_avg_sq;
   uint16_t* param_out;      // fp32 mode only, may be null
+  uint16_t* accum;          // bf16 gradient accumulator over micro-batches; null without accumulation
   int64_t numel;
+};
+
+// What a landed gradient copy asks of its unit.
+enum class Job {
+  kStep = 0,            // step with the landed gradient
+  kAccumulateFirst = 1, // accum = landed gradient (first micro-batch)
+  kAccumulate = 2,      // accum += landed gradient, in bf16 like torch's .grad accumulation
+  kAccumulateStep = 3,  // accum += landed gradient, then step with accum (last micro-batch)
 };
 
 struct SchedulerStats {
@@ -47,8 +56,8 @@ class StepScheduler {
   // A step of unit `id` is on its way (its gradient copy is enqueued): waits cover it from now on,
   // even before the copy lands and calls notify.
   void expect(int id);
-  // Unit `id`'s gradients are in place: queue its step. Safe from any thread.
-  void notify(int id);
+  // Unit `id`'s gradients are in place: queue its job. Safe from any thread.
+  void notify(int id, Job job = Job::kStep);
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   void wait(int id);
   void wait_all();
@@ -60,7 +69,13 @@ class StepScheduler {
   std::shared_ptr<ThreadPool> pool() const { return pool_; }
 
  private:
+  struct Queued {
+    int unit;
+    AdamWHyper hyper;
+    Job job;
+  };
   void loop();
+  void run(const StepUnit& unit, const Queued& job);
   void rethrow_locked();
 
   std::shared_ptr<ThreadPool> pool_;
@@ -71,7 +86,7 @@ class StepScheduler {
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<std::pair<int, AdamWHyper>> queue_;
+  std::deque<Queued> queue_;
   std::exception_ptr error_;
   SchedulerStats stats_;
   bool stopping_ = false;
