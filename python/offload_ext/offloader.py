@@ -104,9 +104,8 @@ class Offloader:
         self.backend_name = backend
         self.last_step_wait = 0.0
         self._step = 0
-        self._backward_pending = False
         self.grad_accum = grad_accum
-        self._micro = 0  # backward() calls since the last step()
+        self._micro = 0  # backward() calls since the last step(); > 0: host steps may be pending
         self._closed = False
         self._hooks: list[Any] = []
         self._compile = compile_layers
@@ -284,13 +283,12 @@ class Offloader:
         self._micro += 1
         self._backend.begin_step(self._hyper())
         self._backend.begin_micro(first=self._micro == 1, last=self._micro == self.grad_accum)
-        self._backward_pending = True
         loss.backward()
 
     def step(self) -> None:
         """Finish the host steps of this backward, step the device parameters, prefetch layer 0."""
         self._check_open()
-        if not self._backward_pending:
+        if self._micro == 0:
             raise RuntimeError("Offloader: step() without a preceding backward()")
         if self._micro != self.grad_accum:
             raise RuntimeError(f"Offloader: step() after {self._micro} backward() calls, with grad_accum="
@@ -300,7 +298,6 @@ class Offloader:
         if self._outer_opt is not None:
             self._step_outer()
         self._step += 1
-        self._backward_pending = False
         self._micro = 0
         self._prefetch_first()
 
@@ -354,7 +351,7 @@ class Offloader:
     # ------------------------------------------------------------------ state
 
     def _settle(self) -> None:
-        if self._backward_pending:
+        if self._micro:
             raise RuntimeError("Offloader: call step() before saving, loading or closing")
 
     def state_dict(self) -> dict[str, Any]:
@@ -446,8 +443,7 @@ class Offloader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._backward_pending and exc[0] is not None:
+        if self._micro and exc[0] is not None:
             self._backend.finish_step()  # drain: an exception mid-step must not leave threads writing
-            self._backward_pending = False
             self._micro = 0
         self.close()
