@@ -45,6 +45,28 @@ def test_loss_curves_match_gpu_resident_training_over_30_steps(precision) -> Non
     assert curves["native"][-1] < curves["native"][0] - 0.5  # it learns
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backend) -> None:
+    base, data = small_llama(), repeating_batches(24)
+    ref, _ = reference_training(base, data, "mixed", lr=3e-3, wd=0.0, device="cuda", micro_batches=2)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=3e-3, precision="mixed", backend=backend, device="cuda",
+                                offload_all=True, grad_accum=2, grad_slots=2)
+    losses = []
+    for k, x in enumerate(data):
+        x = x.to("cuda")
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
+        if k % 2 == 1:
+            off.step()
+            off.zero_grad()
+    off.close()
+    for ours, theirs in zip(losses, ref):
+        assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
+    assert losses[-1] < losses[0] - 0.5
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
