@@ -37,7 +37,8 @@ def to_bf16_params(model: nn.Module) -> nn.Module:
 
 
 def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu",
-                       micro_batches: int = 1):
+                       micro_batches: int = 1, max_grad_norm: float | None = None, norms: list | None = None,
+                       exact_clip: bool = False):
     """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"; with
     micro_batches > 1, gradients accumulate in the params' .grad over that many batches per step."""
     model = copy.deepcopy(base)
@@ -58,6 +59,17 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
         losses.append(loss.item())
         if k % micro_batches != micro_batches - 1:
             continue
+        if max_grad_norm is not None:
+            grads = [p.grad for p in model.parameters() if p.requires_grad]
+            if exact_clip:  # clip_grad_norm_'s rule with the norm summed in float64 (as the engine does)
+                norm = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+                for g in grads:
+                    g.mul_(min(1.0, max_grad_norm / (norm + 1e-6)))
+            else:
+                norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                      max_grad_norm)
+            if norms is not None:
+                norms.append(float(norm))
         if precision == "mixed":
             trainable = [p for p in model.parameters() if p.requires_grad]
             for p, m in zip(trainable, masters):

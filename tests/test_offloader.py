@@ -260,3 +260,40 @@ def test_step_before_all_micro_batches_is_refused() -> None:
     off.backward(model(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="step\\(\\) after 1 backward\\(\\) calls, with grad_accum=2"):
         off.step()
+
+
+def _clipped_run(base, data, backend, precision) -> tuple[list[float], list[float], nn.Module]:
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
+                                grad_accum=2, max_grad_norm=0.5, grad_slots=2)
+    losses, norms = [], []
+    for k, x in enumerate(data):
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
+        if k % 2 == 1:
+            off.step()
+            off.zero_grad()
+            norms.append(off.last_grad_norm)
+    off.close()
+    return losses, norms, model
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend, precision) -> None:
+    base, data = tiny_llama(layers=4), batches(8)
+    losses, norms, model = _clipped_run(base, data, backend, precision)
+    exact_norms: list[float] = []
+    exact_losses, exact_model = reference_training(base, data, precision, LR, WD, micro_batches=2,
+                                                   max_grad_norm=0.5, norms=exact_norms, exact_clip=True)
+    assert min(exact_norms) > 0.5  # clipping was active on every step
+    assert losses == exact_losses and norms == pytest.approx(exact_norms, rel=1e-12)
+    for (name, a), b in zip(model.named_parameters(), exact_model.parameters()):
+        assert torch.equal(a, b), name
+    # torch's own clip_grad_norm_ sums the norm in bf16: the same rule, to bf16 precision.
+    torch_norms: list[float] = []
+    torch_losses, _ = reference_training(base, data, precision, LR, WD, micro_batches=2, max_grad_norm=0.5,
+                                         norms=torch_norms)
+    assert norms == pytest.approx(torch_norms, rel=1e-2)
+    assert losses == pytest.approx(torch_losses, rel=1e-3)

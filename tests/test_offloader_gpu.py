@@ -67,6 +67,23 @@ def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backe
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_gradient_clipping_matches_gpu_resident_training(backend) -> None:
+    base, data = small_llama(), repeating_batches(12)
+    ref_norms: list[float] = []
+    ref, _ = reference_training(base, data, "bf16", lr=3e-3, wd=0.0, device="cuda", max_grad_norm=0.3,
+                                norms=ref_norms, exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=3e-3, backend=backend, device="cuda", max_grad_norm=0.3)
+    losses = offloaded_training(off, model, data, device="cuda")
+    norms = [off.last_grad_norm]
+    off.close()
+    assert min(ref_norms) > 0.3
+    assert norms[-1] == pytest.approx(ref_norms[-1], rel=0.05)
+    for ours, theirs in zip(losses, ref):
+        assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

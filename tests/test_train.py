@@ -114,6 +114,14 @@ def test_native_backend_without_the_extension_is_a_clear_error(tmp_path, capsys,
            "--backend native: the native extension is not available (compiler not found)", capsys)
 
 
-def test_offload_flags_the_engine_cannot_honour_are_refused(tmp_path, capsys) -> None:
-    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--max-grad-norm", "1.0", *FAST],
-           "cannot clip gradients yet", capsys)
+def test_offload_refuses_training_without_activation_checkpointing(tmp_path, capsys) -> None:
+    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--no-activation-checkpointing", *FAST],
+           "the offload engine needs activation checkpointing", capsys)
+
+
+def test_clipping_with_offload_logs_the_gradient_norm(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, "--device", "cpu-sim", "--max-grad-norm", "0.5", "--grad-accum", "2",
+                                *FAST]))
+    rows = _metrics(out)
+    assert all(r["grad_norm"] > 0 for r in rows)

@@ -9,6 +9,7 @@ layer's flat device buffer and, with the layer's last one, sends it to the host.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,11 +86,14 @@ class Offloader:
         grad_slots: int = 6,
         offload_all: bool = False,
         grad_accum: int = 1,
+        max_grad_norm: float | None = None,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
         if grad_accum < 1:
             raise ValueError(f"Offloader: grad_accum must be >= 1 (backward() calls per step()), got {grad_accum}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"Offloader: max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm}")
         if grad_slots < 1:
             raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
         self.device = _resolve_device(device)
@@ -105,6 +109,8 @@ class Offloader:
         self.last_step_wait = 0.0
         self._step = 0
         self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
         self._micro = 0  # backward() calls since the last step(); > 0: host steps may be pending
         self._closed = False
         self._hooks: list[Any] = []
@@ -114,7 +120,8 @@ class Offloader:
         if self._hf_checkpointing:
             model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
         self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,
-                                     pin_threads=pin_threads, grad_slots=grad_slots, grad_accum=grad_accum)
+                                     pin_threads=pin_threads, grad_slots=grad_slots,
+                                     accumulate=grad_accum > 1 or max_grad_norm is not None)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
         t0 = time.perf_counter()
@@ -273,7 +280,8 @@ class Offloader:
         """loss.backward(), with each streamed layer stepped on the host as soon as its grads land.
 
         With grad_accum=N, call it N times per step(): the first N-1 only sum each layer's gradients on
-        the host; the N-th steps each layer as its summed gradients are complete.
+        the host; the N-th steps each layer as its summed gradients are complete. With max_grad_norm,
+        every layer's gradients are kept until step(), which clips by the global norm and then steps.
         """
         self._check_open()
         if self._micro == self.grad_accum:
@@ -282,7 +290,9 @@ class Offloader:
                                "backward() calls, or build the Offloader with a larger grad_accum")
         self._micro += 1
         self._backend.begin_step(self._hyper())
-        self._backend.begin_micro(first=self._micro == 1, last=self._micro == self.grad_accum)
+        # Clipping needs the global norm first: then no layer is stepped during backward.
+        last = self._micro == self.grad_accum and self.max_grad_norm is None
+        self._backend.begin_micro(first=self._micro == 1, last=last)
         loss.backward()
 
     def step(self) -> None:
@@ -295,6 +305,8 @@ class Offloader:
                                f"{self.grad_accum}: every step sums exactly grad_accum micro-batches")
         self.last_step_wait = self._backend.finish_step()
         self._check_grads_complete()
+        if self.max_grad_norm is not None:
+            self._clip_and_step_host()
         if self._outer_opt is not None:
             self._step_outer()
         self._step += 1
@@ -319,6 +331,16 @@ class Offloader:
                         f"{stack.trainable[i]} trainable parameters (none for {missing[:4]}); freeze "
                         "parameters that take no part in the loss (p.requires_grad_(False)) before building "
                         "the Offloader")
+
+    def _clip_and_step_host(self) -> None:
+        """torch.nn.utils.clip_grad_norm_ over every parameter, then the host steps (after backward)."""
+        device_grads = [p.grad for p in self._outer if p.grad is not None]
+        sq = self._backend.grad_sq_norm() + sum(float(g.double().pow(2).sum()) for g in device_grads)
+        self.last_grad_norm = math.sqrt(sq)
+        scale = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        self._backend.clipped_step(scale)
+        for g in device_grads:
+            g.mul_(scale)
 
     def _step_outer(self) -> None:
         group = self._outer_opt.param_groups[0]

@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine decay to 10%%")
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="clip by the global gradient norm (with offload, the host steps then wait for backward)")
     ap.add_argument("--backend", choices=["none", "python", "native"], default="native",
                     help="none = no offload (the model and optimizer on the device)")
     ap.add_argument("--precision", choices=["bf16", "mixed"], default="bf16")
@@ -189,13 +190,15 @@ class Trainer:
         self.args, self.model, self.device = args, model, device
         self.off = None
         self.opt = None
+        self.last_grad_norm: float | None = None
         if args.backend != "none":
             self._check_offload_supported()
             from .offloader import Offloader
 
             self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
                                  backend=args.backend, device=device, compile_layers=args.compile,
-                                 offload_all=args.offload_all, grad_accum=args.grad_accum)
+                                 offload_all=args.offload_all, grad_accum=args.grad_accum,
+                                 max_grad_norm=args.max_grad_norm)
         else:
             self._plain_setup(simulated)
 
@@ -207,9 +210,6 @@ class Trainer:
         if not a.checkpointing:
             raise UsageError("--no-activation-checkpointing: the offload engine needs activation checkpointing "
                              "(saved activations would point at refilled layer buffers); use --backend none")
-        if a.max_grad_norm is not None:
-            raise UsageError("--max-grad-norm: the offload engine cannot clip gradients yet (each layer is stepped "
-                             "as soon as its gradients land); drop the flag or use --backend none")
 
     def _plain_setup(self, simulated: bool) -> None:
         a, model = self.args, self.model
@@ -248,6 +248,7 @@ class Trainer:
                 total += loss.item()
             self.off.step()
             self.off.zero_grad()
+            self.last_grad_norm = self.off.last_grad_norm
             return total
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -257,7 +258,7 @@ class Trainer:
             loss.backward()
             total += loss.item()
         if a.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total
@@ -374,8 +375,10 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
             if profiler is not None:
                 profiler.step()
             if (step + 1) % args.log_every == 0:
-                metrics.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate,
-                                          "gpu_mem_gb": mem}) + "\n")
+                row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem}
+                if trainer.last_grad_norm is not None:
+                    row["grad_norm"] = trainer.last_grad_norm
+                metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")
             if args.save_every and (step + 1) % args.save_every == 0:

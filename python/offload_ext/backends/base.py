@@ -29,7 +29,7 @@ class LayerBuffers:
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
-    accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (grad_accum > 1)
+    accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (accumulation or clipping)
 
     @property
     def trainable_params(self) -> torch.Tensor:
@@ -42,10 +42,10 @@ class Backend(ABC):
     Events are opaque: whatever `load`/`flush_grads` return is only handed back to `compute_wait`.
     """
 
-    def __init__(self, device: torch.device, precision: str, grad_accum: int = 1) -> None:
+    def __init__(self, device: torch.device, precision: str, accumulate: bool = False) -> None:
         self.device = device
         self.precision = precision
-        self.grad_accum = grad_accum
+        self.accumulate = accumulate  # layers sum their gradients in host accumulators (accum)
         self._first_micro, self._last_micro = True, True
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
@@ -78,8 +78,17 @@ class Backend(ABC):
 
     def begin_micro(self, first: bool, last: bool) -> None:
         """The coming backward is the first and/or last micro-batch of a step (gradient accumulation):
-        only the last one steps; the others accumulate the layers' gradients on the host."""
+        only a `last` one steps layers as their gradients land; the others (and all of them when the
+        step clips gradients) only accumulate the layers' gradients on the host."""
         self._first_micro, self._last_micro = first, last
+
+    def grad_sq_norm(self) -> float:
+        """Sum of squares of the accumulated gradients of the layers flushed since the first micro-batch."""
+        raise NotImplementedError(f"{type(self).__name__} cannot clip gradients")
+
+    def clipped_step(self, scale: float) -> None:
+        """Scale the accumulated gradients (rounded to bf16, as torch's clipping does) and step them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot clip gradients")
 
     @abstractmethod
     def finish_step(self) -> float:

@@ -28,9 +28,9 @@ def default_engine_threads() -> int:
 
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
-                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, grad_accum: int = 1,
+                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, accumulate: bool = False,
                  **_: Any) -> None:
-        super().__init__(device, precision, grad_accum)
+        super().__init__(device, precision, accumulate)
         ext = native()
         if device.type == "cuda" and not ext.native_info()["cuda"]:
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
@@ -42,6 +42,7 @@ class NativeBackend(Backend):
         self._ring: list[torch.Tensor] = []
         self._slot_owner: list[int | None] = [None] * grad_slots  # unit whose step reads the slot
         self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
+        self._flushed: set[int] = set()    # units whose gradients came this step
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
@@ -64,7 +65,7 @@ class NativeBackend(Backend):
         exp_avg = e.host_zeros(trainable, state_dtype)
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
-        accum = e.host_empty(trainable, torch.bfloat16) if self.grad_accum > 1 else None
+        accum = e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum)
         if self.precision == "mixed":
             unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum)
@@ -84,11 +85,29 @@ class NativeBackend(Backend):
 
     def _job(self) -> int:
         """The engine job a landed gradient copy triggers (see StepScheduler's Job)."""
-        if self.grad_accum == 1:
+        if not self.accumulate:
             return 0
         return 1 if self._first_micro else 3 if self._last_micro else 2
 
+    def begin_micro(self, first: bool, last: bool) -> None:
+        super().begin_micro(first, last)
+        if first:
+            self._flushed.clear()
+
+    def grad_sq_norm(self) -> float:
+        units = [self._units[i] for i in sorted(self._flushed)]
+        for u in units:
+            self._engine.run(u, 4)
+        self._engine.wait_all()
+        return sum(self._engine.sq_norm(u) for u in units)
+
+    def clipped_step(self, scale: float) -> None:
+        for i in sorted(self._flushed):
+            self._engine.run(self._units[i], 5, scale)
+        self._engine.wait_all()
+
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        self._flushed.add(index)
         if index in self._own_grads:
             return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
         slot = index % self._grad_slots

@@ -55,8 +55,8 @@ class _ThreadCopies:
 
 
 class PythonBackend(Backend):
-    def __init__(self, device: torch.device, precision: str, grad_accum: int = 1, **_: Any) -> None:
-        super().__init__(device, precision, grad_accum)
+    def __init__(self, device: torch.device, precision: str, accumulate: bool = False, **_: Any) -> None:
+        super().__init__(device, precision, accumulate)
         self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
         self._pin = device.type == "cuda"
         self._layers: list[LayerBuffers] = []
@@ -65,6 +65,7 @@ class PythonBackend(Backend):
         self._optimizer: torch.optim.AdamW | None = None
         self._pending: list[tuple[int, Any]] = []
         self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
+        self._accumulated: set[int] = set()  # layers with a gradient sum this step
         self._hyper: Hyper | None = None
 
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -81,7 +82,7 @@ class PythonBackend(Backend):
             exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
             trainable=trainable,
-            accum=torch.empty(trainable, dtype=torch.bfloat16) if self.grad_accum > 1 else None,
+            accum=torch.empty(trainable, dtype=torch.bfloat16) if self.accumulate else None,
         )
         if self.precision == "mixed":
             p = torch.nn.Parameter(layer.master)
@@ -108,7 +109,7 @@ class PythonBackend(Backend):
         if index in self._unfolded:
             self._fold(index)  # the previous micro-batch's copy must be added before it is overwritten
         event = self._copies.copy(self._copies.d2h, layer.grads, src)
-        if self.grad_accum > 1:
+        if self.accumulate:
             self._unfolded[index] = (event, self._first_micro)
         if self._last_micro:
             self._pending.append((index, event))
@@ -123,6 +124,20 @@ class PythonBackend(Backend):
             layer.accum.copy_(layer.grads)
         else:
             layer.accum.add_(layer.grads)
+        self._accumulated.add(index)
+
+    def begin_micro(self, first: bool, last: bool) -> None:
+        super().begin_micro(first, last)
+        if first:
+            self._accumulated.clear()
+
+    def grad_sq_norm(self) -> float:
+        return sum(float(self._layers[i].accum.double().pow(2).sum()) for i in sorted(self._accumulated))
+
+    def clipped_step(self, scale: float) -> None:
+        for i in self._accumulated:
+            self._layers[i].accum.mul_(scale)
+        self._step_layers(set(self._accumulated))
 
     def begin_step(self, hyper: Hyper) -> None:
         self._hyper = hyper
@@ -148,10 +163,15 @@ class PythonBackend(Backend):
         for index in list(self._unfolded):
             self._fold(index)
         waited = time.perf_counter() - t0
-        if not self._pending:
-            return waited
-        stepped = {i for i, _ in self._pending}
-        self._pending.clear()
+        if self._pending:
+            stepped = {i for i, _ in self._pending}
+            self._pending.clear()
+            self._step_layers(stepped)
+        return waited
+
+    def _step_layers(self, stepped: set[int]) -> None:
+        """torch's fused AdamW over the layers in `stepped`, from their gradient (sum)."""
+        hyper = self._hyper
         opt = self._torch_optimizer()
         group = opt.param_groups[0]
         group.update(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
@@ -168,4 +188,3 @@ class PythonBackend(Backend):
         if self.precision == "mixed":
             for i in stepped:
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
-        return waited

@@ -330,6 +330,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         e.scheduler().expect(unit);
         e.scheduler().notify(unit);
       })  // a step of `unit` with gradients already in place
+      .def("run", [](Engine& e, int unit, int job, float scale) {
+        TORCH_CHECK(job == 4 || job == 5, "Engine.run: job must be 4 (norm) or 5 (scale and step), got ",
+                    std::to_string(job));
+        e.scheduler().expect(unit);
+        e.scheduler().notify(unit, static_cast<offload_ext::Job>(job), scale);
+      }, py::arg("unit"), py::arg("job"), py::arg("scale") = 1.0f,
+      "Queue a job on a unit whose gradients are accumulated on the host (clipping).")
+      .def("sq_norm", [](Engine& e, int unit) { return e.scheduler().sq_norm(unit); })
       .def("wait_unit", [](Engine& e, int unit) { e.scheduler().wait(unit); }, Release())
       .def("wait_all", [](Engine& e) { e.scheduler().wait_all(); }, Release())
       .def("check", [](Engine& e) { e.scheduler().check(); })

@@ -29,6 +29,7 @@ int StepScheduler::add_unit(const StepUnit& unit) {
   units_.push_back(unit);
   expected_.push_back(0);
   stepped_.push_back(0);
+  sq_norms_.push_back(0.0);
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -43,7 +44,7 @@ void StepScheduler::expect(int id) {
   ++expected_[id];
 }
 
-void StepScheduler::notify(int id, Job job) {
+void StepScheduler::notify(int id, Job job, float scale) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (id < 0 || id >= static_cast<int>(units_.size())) {
@@ -56,7 +57,7 @@ void StepScheduler::notify(int id, Job job) {
       error_ = std::make_exception_ptr(std::invalid_argument(
           "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
     }
-    queue_.push_back({id, hyper_, job});
+    queue_.push_back({id, hyper_, job, scale});
   }
   work_cv_.notify_one();
 }
@@ -71,6 +72,32 @@ void bf16_accumulate(uint16_t* accum, const uint16_t* g, int64_t n, ThreadPool& 
     for (int64_t i = t * kChunk; i < end; ++i) {
       accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
     }
+  });
+}
+
+double bf16_sq_norm(const uint16_t* g, int64_t n, ThreadPool& pool) {
+  constexpr int64_t kChunk = int64_t{1} << 18;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  pool.parallel_for(chunks, [&](int64_t t) {
+    double sum = 0.0;
+    const int64_t end = std::min(n, (t + 1) * kChunk);
+    for (int64_t i = t * kChunk; i < end; ++i) {
+      const double x = bf16_to_float(g[i]);
+      sum += x * x;
+    }
+    partial[static_cast<size_t>(t)] = sum;
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;  // fixed order: the same result on any thread count
+  return total;
+}
+
+void bf16_scale(uint16_t* g, float scale, int64_t n, ThreadPool& pool) {
+  constexpr int64_t kChunk = int64_t{1} << 18;
+  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(n, (t + 1) * kChunk);
+    for (int64_t i = t * kChunk; i < end; ++i) g[i] = bf16_round_bits(bf16_to_float(g[i]) * scale);
   });
 }
 
@@ -97,10 +124,19 @@ void StepScheduler::run(const StepUnit& unit, const Queued& job) {
     case Job::kAccumulateStep:
       bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
       break;
+    case Job::kNorm: {
+      const double sq = bf16_sq_norm(unit.accum, unit.numel, *pool_);
+      std::lock_guard<std::mutex> lock(mutex_);
+      sq_norms_[job.unit] = sq;
+      return;
+    }
+    case Job::kScaleStep:
+      if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
+      break;
     case Job::kStep:
       break;
   }
-  const void* grad = job.job == Job::kAccumulateStep ? unit.accum : unit.grad;
+  const void* grad = job.job == Job::kStep ? unit.grad : unit.accum;
   const SimdLevel level = active_simd_level();
   if (unit.bf16_mode) {
     adamw_bf16(static_cast<uint16_t*>(unit.param), static_cast<const uint16_t*>(grad),
@@ -184,6 +220,12 @@ void StepScheduler::wait_all() {
 void StepScheduler::check() {
   std::lock_guard<std::mutex> lock(mutex_);
   rethrow_locked();
+}
+
+double StepScheduler::sq_norm(int id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  return sq_norms_[id];
 }
 
 void StepScheduler::inject_failure() {

@@ -36,6 +36,8 @@ enum class Job {
   kAccumulateFirst = 1, // accum = landed gradient (first micro-batch)
   kAccumulate = 2,      // accum += landed gradient, in bf16 like torch's .grad accumulation
   kAccumulateStep = 3,  // accum += landed gradient, then step with accum (last micro-batch)
+  kNorm = 4,            // sum of squares of accum, kept for sq_norm() (gradient clipping)
+  kScaleStep = 5,       // accum *= scale (rounded to bf16, like torch's clipping), then step with accum
 };
 
 struct SchedulerStats {
@@ -57,7 +59,9 @@ class StepScheduler {
   // even before the copy lands and calls notify.
   void expect(int id);
   // Unit `id`'s gradients are in place: queue its job. Safe from any thread.
-  void notify(int id, Job job = Job::kStep);
+  void notify(int id, Job job = Job::kStep, float scale = 1.0f);
+  // The last kNorm result of unit `id` (after waiting for it).
+  double sq_norm(int id) const;
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   void wait(int id);
   void wait_all();
@@ -73,6 +77,7 @@ class StepScheduler {
     int unit;
     AdamWHyper hyper;
     Job job;
+    float scale;
   };
   void loop();
   void run(const StepUnit& unit, const Queued& job);
@@ -82,6 +87,7 @@ class StepScheduler {
   std::vector<StepUnit> units_;
   std::vector<int64_t> expected_;  // per unit: steps announced by expect()
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
+  std::vector<double> sq_norms_;   // per unit: the last kNorm result
   AdamWHyper hyper_{};
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
