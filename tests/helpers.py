@@ -84,13 +84,17 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
     return losses, model
 
 
-def offloaded_training(off, model: nn.Module, data, device: str = "cpu") -> list[float]:
+def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: list | None = None) -> list[float]:
+    """Train through an Offloader: off.grad_accum batches per step; norms collects off.last_grad_norm."""
     losses = []
-    for x in data:
+    for k, x in enumerate(data):
         x = x.to(device)
         loss = model(input_ids=x, labels=x).loss
         off.backward(loss)
-        off.step()
-        off.zero_grad()
         losses.append(loss.item())
+        if k % off.grad_accum == off.grad_accum - 1:
+            off.step()
+            off.zero_grad()
+            if norms is not None:
+                norms.append(off.last_grad_norm)
     return losses

@@ -239,14 +239,7 @@ def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precisio
                                 grad_accum=3, grad_slots=2)
     if backend == "native":
         off._backend.engine.set_debug_delay_us(1000)
-    losses = []
-    for k, x in enumerate(data):
-        loss = model(input_ids=x, labels=x).loss
-        off.backward(loss)
-        losses.append(loss.item())
-        if k % 3 == 2:
-            off.step()
-            off.zero_grad()
+    losses = offloaded_training(off, model, data)
     off.close()
     assert losses == ref_losses
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
@@ -266,15 +259,8 @@ def _clipped_run(base, data, backend, precision) -> tuple[list[float], list[floa
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
                                 grad_accum=2, max_grad_norm=0.5, grad_slots=2)
-    losses, norms = [], []
-    for k, x in enumerate(data):
-        loss = model(input_ids=x, labels=x).loss
-        off.backward(loss)
-        losses.append(loss.item())
-        if k % 2 == 1:
-            off.step()
-            off.zero_grad()
-            norms.append(off.last_grad_norm)
+    norms: list[float] = []
+    losses = offloaded_training(off, model, data, norms=norms)
     off.close()
     return losses, norms, model
 

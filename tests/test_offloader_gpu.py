@@ -52,15 +52,7 @@ def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backe
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=3e-3, precision="mixed", backend=backend, device="cuda",
                                 offload_all=True, grad_accum=2, grad_slots=2)
-    losses = []
-    for k, x in enumerate(data):
-        x = x.to("cuda")
-        loss = model(input_ids=x, labels=x).loss
-        off.backward(loss)
-        losses.append(loss.item())
-        if k % 2 == 1:
-            off.step()
-            off.zero_grad()
+    losses = offloaded_training(off, model, data, device="cuda")
     off.close()
     for ours, theirs in zip(losses, ref):
         assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
