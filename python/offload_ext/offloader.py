@@ -45,8 +45,7 @@ class _Stack:
     resident: list[int | None] = field(default_factory=lambda: [None, None])
     loaded: list[Any] = field(default_factory=lambda: [None, None])
     grads_free: list[Any] = field(default_factory=lambda: [None, None])
-    grad_count: list[int] = field(default_factory=list)
-    received: list[set[int]] = field(default_factory=list)   # per layer: slots whose grad arrived
+    received: list[set[int]] = field(default_factory=list)   # per layer: offsets whose grad arrived
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -183,7 +182,6 @@ class Offloader:
                     host.master[s.offset:s.offset + s.numel].copy_(src)
                 s.param.data = torch.empty(0, dtype=torch.bfloat16, device=self.device)
             stack.host.append(host)
-            stack.grad_count.append(0)
             stack.received.append(set())
         sizes = self._sizes(stack)
         stack.dev_params = [self._backend.device_buffer(max(n for n, _ in sizes)) for _ in range(device_buffers)]
@@ -255,14 +253,12 @@ class Offloader:
 
     def _on_grad(self, stack: _Stack, i: int, s: _Slot, p: nn.Parameter) -> None:
         slot = i % len(stack.dev_grads)
-        if stack.grad_count[i] == 0 and stack.grads_free[slot] is not None:
+        if not stack.received[i] and stack.grads_free[slot] is not None:
             self._backend.compute_wait(stack.grads_free[slot])  # the slot's last D2H has landed
         stack.dev_grads[slot][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
         p.grad = None
-        stack.grad_count[i] += 1
         stack.received[i].add(s.offset)
-        if stack.grad_count[i] == stack.trainable[i]:
-            stack.grad_count[i] = 0
+        if len(stack.received[i]) == stack.trainable[i]:
             stack.received[i].clear()
             src = stack.dev_grads[slot][: stack.host[i].trainable]
             stack.grads_free[slot] = self._backend.flush_grads(stack.unit[i], stack.host[i], src)
@@ -320,12 +316,12 @@ class Offloader:
     def _check_grads_complete(self) -> None:
         names = {id(p): n for n, p in self.model.named_parameters()}
         for stack in self._units():
-            for i, count in enumerate(stack.grad_count):
-                if count:
+            for i, received in enumerate(stack.received):
+                if received:
+                    count = len(received)
                     missing = [names.get(id(s.param), "?") for s in stack.slots[i][: stack.trainable[i]]
-                               if s.offset not in stack.received[i]]
-                    stack.grad_count[i] = 0
-                    stack.received[i].clear()
+                               if s.offset not in received]
+                    received.clear()
                     raise RuntimeError(
                         f"Offloader: {stack.name} [{i}] got gradients for only {count} of its "
                         f"{stack.trainable[i]} trainable parameters (none for {missing[:4]}); freeze "

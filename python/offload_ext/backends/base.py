@@ -56,9 +56,9 @@ class Backend(ABC):
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
         """Host buffers for one layer: params (and master) for the caller to fill, zeroed moments."""
 
-    @abstractmethod
     def device_buffer(self, numel: int) -> torch.Tensor:
         """A bf16 buffer on the (possibly simulated) device."""
+        return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
 
     @abstractmethod
     def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:

@@ -74,9 +74,6 @@ class NativeBackend(Backend):
         self._units.append(unit)
         return layer
 
-    def device_buffer(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
-
     def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
         return self._engine.copy(_H2D, dst, layer.params)
 
@@ -108,13 +105,12 @@ class NativeBackend(Backend):
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         self._flushed.add(index)
-        if index in self._own_grads:
-            return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
-        slot = index % self._grad_slots
-        owner = self._slot_owner[slot]
-        if owner is not None and owner != index:
-            self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
-        self._slot_owner[slot] = index
+        if index not in self._own_grads:
+            slot = index % self._grad_slots
+            owner = self._slot_owner[slot]
+            if owner is not None and owner != index:
+                self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
+            self._slot_owner[slot] = index
         return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
 
     def begin_step(self, hyper: Hyper) -> None:

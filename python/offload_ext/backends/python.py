@@ -77,7 +77,7 @@ class PythonBackend(Backend):
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         layer = LayerBuffers(
             params=params,
-            grads=self._host(trainable, torch.bfloat16, pin=True).zero_(),
+            grads=self._host(trainable, torch.bfloat16, pin=True),  # always written by a D2H before use
             exp_avg=torch.zeros(trainable, dtype=state_dtype),
             exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
@@ -95,9 +95,6 @@ class PythonBackend(Backend):
         self._layers.append(layer)
         self._optimizer = None  # rebuilt lazily over all layers
         return layer
-
-    def device_buffer(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
 
     def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
         return self._copies.copy(self._copies.h2d, dst, layer.params)
