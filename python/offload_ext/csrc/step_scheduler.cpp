@@ -64,25 +64,27 @@ void StepScheduler::notify(int id, Job job, float scale) {
 
 namespace {
 
-// accum += g over bf16 spans (fp32 math, one rounding), spread over the pool.
+// Runs fn(chunk_index, begin, end) over [0, n) in fixed chunks on the pool: fixed chunks keep
+// per-chunk partial results (the norm) independent of the thread count.
+constexpr int64_t kChunk = int64_t{1} << 18;
+
+template <class Fn>
+void for_fixed_chunks(int64_t n, ThreadPool& pool, const Fn& fn) {
+  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) { fn(t, t * kChunk, std::min(n, (t + 1) * kChunk)); });
+}
+
+// accum += g over bf16 spans (fp32 math, one rounding).
 void bf16_accumulate(uint16_t* accum, const uint16_t* g, int64_t n, ThreadPool& pool) {
-  constexpr int64_t kChunk = int64_t{1} << 18;
-  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) {
-    const int64_t end = std::min(n, (t + 1) * kChunk);
-    for (int64_t i = t * kChunk; i < end; ++i) {
-      accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
-    }
+  for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
   });
 }
 
 double bf16_sq_norm(const uint16_t* g, int64_t n, ThreadPool& pool) {
-  constexpr int64_t kChunk = int64_t{1} << 18;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  pool.parallel_for(chunks, [&](int64_t t) {
+  std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
+  for_fixed_chunks(n, pool, [&](int64_t t, int64_t begin, int64_t end) {
     double sum = 0.0;
-    const int64_t end = std::min(n, (t + 1) * kChunk);
-    for (int64_t i = t * kChunk; i < end; ++i) {
+    for (int64_t i = begin; i < end; ++i) {
       const double x = bf16_to_float(g[i]);
       sum += x * x;
     }
@@ -94,19 +96,14 @@ double bf16_sq_norm(const uint16_t* g, int64_t n, ThreadPool& pool) {
 }
 
 void bf16_scale(uint16_t* g, float scale, int64_t n, ThreadPool& pool) {
-  constexpr int64_t kChunk = int64_t{1} << 18;
-  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) {
-    const int64_t end = std::min(n, (t + 1) * kChunk);
-    for (int64_t i = t * kChunk; i < end; ++i) g[i] = bf16_round_bits(bf16_to_float(g[i]) * scale);
+  for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) g[i] = bf16_round_bits(bf16_to_float(g[i]) * scale);
   });
 }
 
-void parallel_copy(void* dst, const void* src, size_t bytes, ThreadPool& pool) {
-  constexpr size_t kChunk = size_t{1} << 20;
-  pool.parallel_for(static_cast<int64_t>((bytes + kChunk - 1) / kChunk), [&](int64_t t) {
-    const size_t begin = static_cast<size_t>(t) * kChunk;
-    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
-                std::min(kChunk, bytes - begin));
+void bf16_copy(uint16_t* dst, const uint16_t* src, int64_t n, ThreadPool& pool) {
+  for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
+    std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin) * sizeof(uint16_t));
   });
 }
 
@@ -116,7 +113,7 @@ void StepScheduler::run(const StepUnit& unit, const Queued& job) {
   const auto* landed = static_cast<const uint16_t*>(unit.grad);
   switch (job.job) {
     case Job::kAccumulateFirst:
-      parallel_copy(unit.accum, landed, static_cast<size_t>(unit.numel) * sizeof(uint16_t), *pool_);
+      bf16_copy(unit.accum, landed, unit.numel, *pool_);
       return;
     case Job::kAccumulate:
       bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
