@@ -17,22 +17,63 @@
 namespace offload_ext {
 namespace {
 
-// Numbers in messages go through std::to_string, not iostreams: see the note in README
-// ("Building on the GPU machine") on the libstdc++ a newer compiler leaves behind.
+// Numbers in messages go through std::to_string, not iostreams: on the GPU machine the extension is
+// built by a newer g++ than the libstdc++ it loads, and formatting an integer through a stream there
+// crashed (seen 2026-11-29; strings and dtypes format fine).
 std::string num(int64_t x) { return std::to_string(x); }
 std::string num(double x) { return std::to_string(x); }
 
-void check_span(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), "adamw_step: expected ", name, " on the CPU, got a tensor on ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "adamw_step: expected ", name,
+void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), who, ": expected ", name, " on the CPU, got a tensor on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), who, ": expected ", name,
               " to be contiguous (the kernel steps one flat span); call .contiguous() on it first");
-  TORCH_CHECK(t.numel() == numel, "adamw_step: expected ", name, " to have ", num(numel),
-              " elements like param, got ", num(t.numel()));
+  TORCH_CHECK(t.numel() == numel, who, ": expected ", name, " to have ", num(numel), " elements like param, got ",
+              num(t.numel()));
 }
 
-void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
-  TORCH_CHECK(t.scalar_type() == expected, "adamw_step: in ", mode, " mode expected ", name, " of dtype ",
-              expected, ", got ", t.scalar_type());
+void check_dtype(const char* who, const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
+  TORCH_CHECK(t.scalar_type() == expected, who, ": in ", mode, " mode expected ", name, " of dtype ", expected,
+              ", got ", t.scalar_type());
+}
+
+// Validates one AdamW span's tensors (shapes, layout, the dtypes of a precision mode) and describes it.
+StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out) {
+  const int64_t n = param.numel();
+  check_span(who, param, "param", n);
+  check_span(who, grad, "grad", n);
+  check_span(who, exp_avg, "exp_avg", n);
+  check_span(who, exp_avg_sq, "exp_avg_sq", n);
+  StepUnit u{};
+  u.numel = n;
+  u.param = param.data_ptr();
+  u.grad = grad.data_ptr();
+  u.exp_avg = exp_avg.data_ptr();
+  u.exp_avg_sq = exp_avg_sq.data_ptr();
+  if (param.scalar_type() == at::kBFloat16) {
+    const char* mode = "bf16 (bf16 param)";
+    check_dtype(who, grad, "grad", at::kBFloat16, mode);
+    check_dtype(who, exp_avg, "exp_avg", at::kBFloat16, mode);
+    check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
+    TORCH_CHECK(!param_out.has_value(), who, ": param_out is only for fp32 master params; "
+                "a bf16 param is updated in place");
+    u.bf16_mode = true;
+    return u;
+  }
+  TORCH_CHECK(param.scalar_type() == at::kFloat, who, ": expected param of dtype bfloat16 (bf16 mode) or ",
+              "float32 (fp32/mixed mode), got ", param.scalar_type());
+  const char* mode = "fp32/mixed (float32 param)";
+  check_dtype(who, exp_avg, "exp_avg", at::kFloat, mode);
+  check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kFloat, mode);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, who, ": in ", mode,
+              " mode expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
+  u.grad_type = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
+  if (param_out.has_value()) {
+    check_span(who, *param_out, "param_out", n);
+    check_dtype(who, *param_out, "param_out", at::kBFloat16, mode);
+    u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
+  }
+  return u;
 }
 
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -44,42 +85,8 @@ void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", num(beta2));
   TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", num(eps));
   TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
-  const int64_t n = param.numel();
-  check_span(param, "param", n);
-  check_span(grad, "grad", n);
-  check_span(exp_avg, "exp_avg", n);
-  check_span(exp_avg_sq, "exp_avg_sq", n);
-  const AdamWHyper h{lr, beta1, beta2, eps, weight_decay, step};
-  auto pool = global_pool();
-  const SimdLevel level = active_simd_level();
-
-  if (param.scalar_type() == at::kBFloat16) {
-    const char* mode = "bf16 (bf16 param)";
-    check_dtype(grad, "grad", at::kBFloat16, mode);
-    check_dtype(exp_avg, "exp_avg", at::kBFloat16, mode);
-    check_dtype(exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
-    TORCH_CHECK(!param_out.has_value(), "adamw_step: param_out is only for fp32 master params; "
-                "a bf16 param is updated in place");
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    adamw_bf16(bits(param), bits(grad), bits(exp_avg), bits(exp_avg_sq), n, h, *pool, level);
-    return;
-  }
-  TORCH_CHECK(param.scalar_type() == at::kFloat, "adamw_step: expected param of dtype bfloat16 (bf16 mode) or ",
-              "float32 (fp32/mixed mode), got ", param.scalar_type());
-  const char* mode = "fp32/mixed (float32 param)";
-  check_dtype(exp_avg, "exp_avg", at::kFloat, mode);
-  check_dtype(exp_avg_sq, "exp_avg_sq", at::kFloat, mode);
-  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, "adamw_step: in ", mode,
-              " mode expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
-  uint16_t* out = nullptr;
-  if (param_out.has_value()) {
-    check_span(*param_out, "param_out", n);
-    check_dtype(*param_out, "param_out", at::kBFloat16, mode);
-    out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
-  }
-  const GradType gt = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
-  adamw_fp32(param.data_ptr<float>(), grad.data_ptr(), gt, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-             out, n, h, *pool, level);
+  const StepUnit unit = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out);
+  adamw_unit(unit, unit.grad, {lr, beta1, beta2, eps, weight_decay, step}, *global_pool());
 }
 
 py::dict native_info() {
@@ -196,40 +203,10 @@ class Engine {
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                const std::optional<at::Tensor>& accum) {
-    const int64_t n = param.numel();
-    check_span(param, "param", n);
-    check_span(grad, "grad", n);
-    check_span(exp_avg, "exp_avg", n);
-    check_span(exp_avg_sq, "exp_avg_sq", n);
-    StepUnit u{};
-    u.numel = n;
-    u.param = param.data_ptr();
-    u.grad = grad.data_ptr();
-    u.exp_avg = exp_avg.data_ptr();
-    u.exp_avg_sq = exp_avg_sq.data_ptr();
-    if (param.scalar_type() == at::kBFloat16) {
-      const char* mode = "bf16 (bf16 param)";
-      check_dtype(grad, "grad", at::kBFloat16, mode);
-      check_dtype(exp_avg, "exp_avg", at::kBFloat16, mode);
-      check_dtype(exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
-      TORCH_CHECK(!param_out.has_value(), "Engine.add_unit: param_out is only for fp32 master params");
-      u.bf16_mode = true;
-    } else {
-      const char* mode = "fp32/mixed (float32 param)";
-      check_dtype(param, "param", at::kFloat, mode);
-      check_dtype(exp_avg, "exp_avg", at::kFloat, mode);
-      check_dtype(exp_avg_sq, "exp_avg_sq", at::kFloat, mode);
-      TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
-                  "Engine.add_unit: expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
-      u.grad_type = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
-      if (param_out.has_value()) {
-        check_span(*param_out, "param_out", n);
-        check_dtype(*param_out, "param_out", at::kBFloat16, mode);
-        u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
-      }
-    }
+    StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
+    const int64_t n = u.numel;
     if (accum.has_value()) {
-      check_span(*accum, "accum", n);
+      check_span("Engine.add_unit", *accum, "accum", n);
       TORCH_CHECK(accum->scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16,
                   "Engine.add_unit: gradient accumulation works on bf16 grads into a bf16 accum, got grad ",
                   grad.scalar_type(), " and accum ", accum->scalar_type());

@@ -133,15 +133,18 @@ void StepScheduler::run(const StepUnit& unit, const Queued& job) {
     case Job::kStep:
       break;
   }
-  const void* grad = job.job == Job::kStep ? unit.grad : unit.accum;
+  adamw_unit(unit, job.job == Job::kStep ? unit.grad : unit.accum, job.hyper, *pool_);
+}
+
+void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool) {
   const SimdLevel level = active_simd_level();
   if (unit.bf16_mode) {
     adamw_bf16(static_cast<uint16_t*>(unit.param), static_cast<const uint16_t*>(grad),
-               static_cast<uint16_t*>(unit.exp_avg), static_cast<uint16_t*>(unit.exp_avg_sq), unit.numel,
-               job.hyper, *pool_, level);
+               static_cast<uint16_t*>(unit.exp_avg), static_cast<uint16_t*>(unit.exp_avg_sq), unit.numel, h,
+               pool, level);
   } else {
     adamw_fp32(static_cast<float*>(unit.param), grad, unit.grad_type, static_cast<float*>(unit.exp_avg),
-               static_cast<float*>(unit.exp_avg_sq), unit.param_out, unit.numel, job.hyper, *pool_, level);
+               static_cast<float*>(unit.exp_avg_sq), unit.param_out, unit.numel, h, pool, level);
   }
 }
 

@@ -30,6 +30,9 @@ struct StepUnit {
   int64_t numel;
 };
 
+// One fused AdamW pass over a unit's span with gradient `grad` (its landed copy or its accumulator).
+void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool);
+
 // What a landed gradient copy asks of its unit.
 enum class Job {
   kStep = 0,            // step with the landed gradient
