@@ -162,14 +162,74 @@ def _delay_python_copies(off) -> None:
     assert original is not None
 
 
-def test_a_failed_host_step_surfaces_at_the_next_call() -> None:
+@pytest.mark.parametrize("async_step", [True, False])
+def test_a_failed_host_step_surfaces_at_the_next_call(async_step) -> None:
     model = tiny_llama(layers=2)
-    off = offload_ext.Offloader(model, backend="native", device="cpu")
+    off = offload_ext.Offloader(model, backend="native", device="cpu", async_step=async_step)
     off._backend.engine.inject_failure()
     x = batches(1)[0]
     off.backward(model(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="injected failure"):
+        off.step()  # synchronous: raises here; asynchronous: here or in the next forward at the latest
+        model(input_ids=x, labels=x)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_async_step_returns_early_and_each_layer_waits_for_its_own_step(precision) -> None:
+    base = tiny_llama(layers=4)
+    ref_losses, ref_model = reference_training(base, batches(4), precision, LR, WD)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu")
+    engine = off._backend.engine
+    engine.set_debug_step_delay_us(20_000)  # a host far slower than the device: steps outlast backward
+    pending_after_step = []
+    losses = []
+    for x in batches(4):
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
         off.step()
+        pending_after_step.append(sum(not engine.ready(u) for u in off._backend._units))
+        off.zero_grad()
+    off.close()
+    assert max(pending_after_step) > 0  # step() did return with layers still queued
+    assert losses == ref_losses         # and yet no layer ran on stale weights
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_synchronous_step_leaves_nothing_pending() -> None:
+    model = tiny_llama(layers=3)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", async_step=False)
+    off._backend.engine.set_debug_step_delay_us(5_000)
+    x = batches(1)[0]
+    off.backward(model(input_ids=x, labels=x).loss)
+    off.step()
+    assert all(off._backend.engine.ready(u) for u in off._backend._units)
+    off.close()
+
+
+def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
+    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
+    units = []
+    for _ in range(4):
+        p, g, m, v = (engine.host_zeros(1024, torch.bfloat16) for _ in range(4))
+        units.append(engine.add_unit(p, g, m, v))
+    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    engine.set_debug_step_delay_us(50_000)
+    for u in (3, 2, 1, 0):  # gradients land top-down, as in backward; unit 3 starts at once
+        engine.notify(u)
+    engine.wait_unit(1)     # unit 1 jumps ahead of 0 and 2
+    assert engine.ready(1) and not engine.ready(2) and not engine.ready(0)
+    engine.wait_unit(0)     # then the lowest id: 0 before 2
+    assert not engine.ready(2)
+    engine.wait_all()
+    assert engine.stats()["wait_seconds"] > 0.1
+
+
+def test_async_step_is_refused_by_the_python_backend() -> None:
+    with pytest.raises(ValueError, match="async_step=True needs backend='native'"):
+        offload_ext.Offloader(tiny_llama(layers=2), backend="python", device="cpu", async_step=True)
 
 
 def test_backward_twice_without_step_is_refused() -> None:

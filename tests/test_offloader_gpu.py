@@ -99,11 +99,14 @@ class TransferHeavy(nn.Module):
         return x
 
 
-def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4) -> tuple[list[float], dict]:
+def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_us: int = 0,
+                          **kw) -> tuple[list[float], dict]:
     model = TransferHeavy()
-    off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda")
+    off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda", **kw)
     if delay:
         _randomise_copy_timing(off)
+    if step_delay_us:
+        off._backend.engine.set_debug_step_delay_us(step_delay_us)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -139,6 +142,15 @@ def test_randomised_copy_timing_changes_nothing(backend) -> None:
     losses, weights = _train_transfer_heavy(backend, delay=True)
     assert losses == plain_losses
     for name, w in plain_weights.items():
+        assert torch.equal(w, weights[name]), name
+
+
+def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() -> None:
+    # 10 ms per layer step: the host steps outlast backward, so the next forward must wait per layer.
+    sync_losses, sync_weights = _train_transfer_heavy("native", delay=False, async_step=False)
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=10_000)
+    assert losses == sync_losses
+    for name, w in sync_weights.items():
         assert torch.equal(w, weights[name]), name
 
 

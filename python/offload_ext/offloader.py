@@ -86,6 +86,7 @@ class Offloader:
         offload_all: bool = False,
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
+        async_step: bool | None = None,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"Offloader: precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -95,6 +96,9 @@ class Offloader:
             raise ValueError(f"Offloader: max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm}")
         if grad_slots < 1:
             raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
+        if async_step and backend == "python":
+            raise ValueError("Offloader: async_step=True needs backend='native'; the python backend steps every "
+                             "layer inside step(), after backward, by design")
         self.device = _resolve_device(device)
         stacks = find_layer_stacks(model)
         if not stacks:
@@ -120,7 +124,8 @@ class Offloader:
             model.gradient_checkpointing_disable()  # the Offloader checkpoints each layer itself
         self._backend = make_backend(backend, self.device, precision, num_threads=num_threads,
                                      pin_threads=pin_threads, grad_slots=grad_slots,
-                                     accumulate=grad_accum > 1 or max_grad_norm is not None)
+                                     accumulate=grad_accum > 1 or max_grad_norm is not None,
+                                     async_step=async_step is not False)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
         t0 = time.perf_counter()
@@ -135,13 +140,14 @@ class Offloader:
             stacked |= {id(p) for p in rest}
         own = self._sizes(self._host_outer) if self._host_outer else []
         self._backend.prepare([size for stack in self._stacks for size in self._sizes(stack)], own)
+        t1 = time.perf_counter()
         for stack in self._stacks:
             self._fill(stack)
         if self._host_outer is not None:
             self._fill(self._host_outer, device_buffers=1, own_grads=True)  # bound by _prefetch_first
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         self._outer, self._outer_masters, self._outer_opt = self._move_outer(model, stacked)
-        self.setup_seconds = {"layout_and_pin": t1 - t0, "outer_to_device": time.perf_counter() - t1}
+        self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         for stack in self._stacks:
             for i, layer in enumerate(stack.layers):
                 self._wrap_layer(stack, i, layer)
@@ -226,7 +232,7 @@ class Offloader:
     def _load(self, stack: _Stack, i: int) -> None:
         slot = i % len(stack.dev_params)
         dst = stack.dev_params[slot][: stack.host[i].params.numel()]
-        stack.loaded[slot] = self._backend.load(stack.host[i], dst)
+        stack.loaded[slot] = self._backend.load(stack.unit[i], stack.host[i], dst)
         stack.resident[slot] = i
 
     def _bind(self, stack: _Stack, i: int) -> None:
@@ -243,7 +249,10 @@ class Offloader:
         recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
         self._bind(stack, i)
         nxt = i - 1 if recompute else i + 1
-        if 0 <= nxt < len(stack.layers) and stack.resident[nxt % 2] != nxt:
+        # A layer whose host step is still running is loaded by its own hook instead, after this
+        # layer's kernels are launched: waiting here would hold them back.
+        if (0 <= nxt < len(stack.layers) and stack.resident[nxt % 2] != nxt
+                and self._backend.ready(stack.unit[nxt])):
             self._load(stack, nxt)
 
     def _hook_grads(self, stack: _Stack, i: int) -> None:
@@ -292,7 +301,11 @@ class Offloader:
         loss.backward()
 
     def step(self) -> None:
-        """Finish the host steps of this backward, step the device parameters, prefetch layer 0."""
+        """Finish the host steps of this backward, step the device parameters, prefetch layer 0.
+
+        With async_step (the native default), layers still being stepped on the host when this returns
+        finish in the background; each layer's next use (forward, state_dict, close) waits for its own.
+        """
         self._check_open()
         if self._micro == 0:
             raise RuntimeError("Offloader: step() without a preceding backward()")
@@ -362,15 +375,18 @@ class Offloader:
     def _prefetch_first(self) -> None:
         for stack in self._units():
             stack.resident = [None] * len(stack.dev_params)  # host params changed: device copies are stale
-            self._load(stack, 0)
+            if self._backend.ready(stack.unit[0]):
+                self._load(stack, 0)
         if self._host_outer is not None:
             self._bind(self._host_outer, 0)  # used from the first op on: the compute stream waits for it
 
     # ------------------------------------------------------------------ state
 
     def _settle(self) -> None:
+        """Between steps, with every host step finished: the host buffers may be read or written."""
         if self._micro:
             raise RuntimeError("Offloader: call step() before saving, loading or closing")
+        self._backend.settle()
 
     def state_dict(self) -> dict[str, Any]:
         self._check_open()
@@ -435,7 +451,8 @@ class Offloader:
 
     def stats(self) -> dict[str, Any]:
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
-        return {"step": self._step, "last_step_wait_s": self.last_step_wait, **setup, **self._backend.stats()}
+        return {"step": self._step, "last_step_wait_s": self.last_step_wait, "host_wait_s": self._backend.wait_seconds(),
+                **setup, **self._backend.stats()}
 
     def close(self) -> None:
         """Detach from the model: it becomes an ordinary module on the CPU holding its current weights."""
@@ -464,4 +481,5 @@ class Offloader:
         if self._micro and exc[0] is not None:
             self._backend.finish_step()  # drain: an exception mid-step must not leave threads writing
             self._micro = 0
+
         self.close()

@@ -42,6 +42,8 @@ class Backend(ABC):
     Events are opaque: whatever `load`/`flush_grads` return is only handed back to `compute_wait`.
     """
 
+    asynchronous = False  # finish_step may return before the layers are stepped
+
     def __init__(self, device: torch.device, precision: str, accumulate: bool = False) -> None:
         self.device = device
         self.precision = precision
@@ -61,8 +63,13 @@ class Backend(ABC):
         return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
 
     @abstractmethod
-    def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        """Copy layer params host -> dst once the compute stream has reached this point."""
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+        """Copy layer `index`'s params host -> dst once the compute stream has reached this point and
+        the layer's pending host step (if any) is done."""
+
+    def ready(self, index: int) -> bool:
+        """Whether layer `index` has no host step pending, so `load` would not block."""
+        return True
 
     @abstractmethod
     def compute_wait(self, event: Any) -> None:
@@ -92,7 +99,15 @@ class Backend(ABC):
 
     @abstractmethod
     def finish_step(self) -> float:
-        """Return once every layer flushed since begin_step has been stepped; seconds spent waiting."""
+        """End the step: every layer flushed since begin_step has been stepped, or (an asynchronous
+        backend) is queued and will be before it is next loaded. Returns the seconds spent waiting."""
+
+    def settle(self) -> None:
+        """Block until no host step is pending (before host buffers are read or written)."""
+
+    def wait_seconds(self) -> float:
+        """Seconds the calling thread has spent blocked on host steps so far."""
+        return 0.0
 
     def stats(self) -> dict[str, Any]:
         return {}

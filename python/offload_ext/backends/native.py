@@ -3,6 +3,9 @@
 A layer's gradient copy carries a host callback that queues the layer's fused AdamW step on the
 engine's worker threads at once, so the CPU steps layer i while the GPU runs backward below it;
 the step writes bf16 params straight into the pinned buffer the next forward copies from.
+With async_step (the default) step() does not wait for the layers still queued when backward ends:
+the engine steps the lowest layer first, and each layer's next copy waits for its own step, so the
+CPU work left over from backward overlaps the next forward.
 Gradients land in a small ring of pinned staging slots rather than one buffer per layer: a slot is
 reused only once the step that reads it is done, which halves the memory to page-lock.
 """
@@ -29,8 +32,9 @@ def default_engine_threads() -> int:
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, accumulate: bool = False,
-                 **_: Any) -> None:
+                 async_step: bool = True, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
+        self.asynchronous = async_step
         ext = native()
         if device.type == "cuda" and not ext.native_info()["cuda"]:
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
@@ -74,8 +78,12 @@ class NativeBackend(Backend):
         self._units.append(unit)
         return layer
 
-    def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+        self._engine.wait_unit(self._units[index])  # its step writes the params we copy (GIL released)
         return self._engine.copy(_H2D, dst, layer.params)
+
+    def ready(self, index: int) -> bool:
+        return self._engine.ready(self._units[index])
 
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
@@ -101,7 +109,8 @@ class NativeBackend(Backend):
     def clipped_step(self, scale: float) -> None:
         for i in sorted(self._flushed):
             self._engine.run(self._units[i], 5, scale)
-        self._engine.wait_all()
+        if not self.asynchronous:
+            self._engine.wait_all()
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         self._flushed.add(index)
@@ -118,9 +127,18 @@ class NativeBackend(Backend):
         self._engine.set_hyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step)
 
     def finish_step(self) -> float:
+        if self.asynchronous:
+            self._engine.check()
+            return 0.0
         t0 = time.perf_counter()
         self._engine.wait_all()
         return time.perf_counter() - t0
+
+    def settle(self) -> None:
+        self._engine.wait_all()
+
+    def wait_seconds(self) -> float:
+        return self._engine.stats()["wait_seconds"]
 
     def stats(self) -> dict[str, Any]:
         return {**self._engine.stats(), **self._engine.memory_stats()}

@@ -2,7 +2,8 @@
 
 It is the honest baseline for the native backend: the same hooks and layout, and a copy is never
 used before it has landed (in forward and in activation-checkpointing recompute alike). Its CPU step
-runs after backward, as one fused AdamW call over all layers. On the simulated device, copies run
+runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
+land, so the first layers are stepped while the GPU finishes backward. On the simulated device, copies run
 on one worker thread per direction and events are futures.
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ class PythonBackend(Backend):
         self._optimizer = None  # rebuilt lazily over all layers
         return layer
 
-    def load(self, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
         return self._copies.copy(self._copies.h2d, dst, layer.params)
 
     def compute_wait(self, event: Any) -> None:
@@ -152,19 +153,22 @@ class PythonBackend(Backend):
         return self._optimizer
 
     def finish_step(self) -> float:
-        hyper = self._hyper
-        assert hyper is not None, "begin_step was not called"
-        t0 = time.perf_counter()
-        for _, event in self._pending:
+        """Step each layer as soon as its gradient copy has landed, in arrival order: the first ones
+        are stepped while the GPU still runs the end of backward."""
+        assert self._hyper is not None, "begin_step was not called"
+        waited = 0.0
+        pending, self._pending = self._pending, []
+        for index, event in pending:
+            t0 = time.perf_counter()
             self._copies.host_wait(event)
-        for index in list(self._unfolded):
+            if index in self._unfolded:
+                self._fold(index)
+            waited += time.perf_counter() - t0
+            self._step_layers({index})
+        t0 = time.perf_counter()
+        for index in list(self._unfolded):  # accumulation without a step here (clipping comes next)
             self._fold(index)
-        waited = time.perf_counter() - t0
-        if self._pending:
-            stepped = {i for i, _ in self._pending}
-            self._pending.clear()
-            self._step_layers(stepped)
-        return waited
+        return waited + time.perf_counter() - t0
 
     def _step_layers(self, stepped: set[int]) -> None:
         """torch's fused AdamW over the layers in `stepped`, from their gradient (sum)."""

@@ -3,6 +3,9 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <thread>
+
 #ifdef OFFLOAD_EXT_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -129,12 +132,15 @@ void check_flat(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "Engine: expected ", what, " to be contiguous");
 }
 
+// Threads for one-off set-up work (making and page-locking slabs): every CPU; training has not started.
+int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
 class Engine {
  public:
   Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes)
       : device_(device),
-        pinned_(std::make_shared<PinnedPool>(device >= 0, static_cast<size_t>(slab_bytes), 8)),
-        host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), 8)),
+        pinned_(std::make_shared<PinnedPool>(device >= 0, static_cast<size_t>(slab_bytes), setup_threads())),
+        host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), setup_threads())),
         scheduler_(std::make_shared<StepScheduler>(std::make_shared<ThreadPool>(
             num_threads, pin_threads ? worker_cpus(num_threads) : std::vector<int>{}))),
         copies_(make_copy_engine(device)) {
@@ -225,6 +231,7 @@ class Engine {
     const SchedulerStats s = scheduler_->stats();
     d["step_busy_seconds"] = s.busy_seconds;
     d["units_stepped"] = s.units_stepped;
+    d["wait_seconds"] = s.wait_seconds;
     d["num_threads"] = scheduler_->pool()->num_threads();
     d["threads_pinned"] = scheduler_->pool()->pinned();
     return d;
@@ -317,6 +324,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sq_norm", [](Engine& e, int unit) { return e.scheduler().sq_norm(unit); })
       .def("wait_unit", [](Engine& e, int unit) { e.scheduler().wait(unit); }, Release())
       .def("wait_all", [](Engine& e) { e.scheduler().wait_all(); }, Release())
+      .def("ready", [](Engine& e, int unit) { return e.scheduler().ready(unit); },
+           "Whether every announced job of `unit` is done (a copy from its params is safe), without waiting.")
+      .def("set_debug_step_delay_us", [](Engine& e, int us) { e.scheduler().set_debug_step_delay_us(us); },
+           "Testing aid: each scheduled job sleeps this long first, as on a slow host.")
       .def("check", [](Engine& e) { e.scheduler().check(); })
       .def("inject_failure", [](Engine& e) { e.scheduler().inject_failure(); })
       .def("synchronize", [](Engine& e) { e.copies().synchronize(); }, Release())

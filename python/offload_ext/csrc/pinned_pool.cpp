@@ -1,10 +1,11 @@
-// PinnedPool: slabs from mmap (huge-page advised), page-locked with cudaHostRegister in parallel
-// chunks (pinning is per page and dominates allocation time), first-fit carving with coalescing.
+// PinnedPool: slabs from mmap (huge-page advised), faulted in and page-locked with cudaHostRegister
+// on one thread per slab (pinning is per page and dominates set-up), first-fit carving with coalescing.
 #include "pinned_pool.h"
 
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -20,6 +21,14 @@ namespace offload_ext {
 namespace {
 constexpr size_t kAlign = 4096;
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+bool prefault_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("OFFLOAD_EXT_PREFAULT");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
 }  // namespace
 
 struct PinnedPool::Slab {
@@ -32,7 +41,17 @@ struct PinnedPool::Slab {
     if (p == MAP_FAILED) throw std::runtime_error("PinnedPool: out of host memory allocating " + std::to_string(n) + " bytes");
     base = static_cast<char*>(p);
     madvise(base, n, MADV_HUGEPAGE);  // fewer TLB misses for the AdamW streams; advisory only
-    if (page_lock) register_pages();
+    if (page_lock) {
+      if (prefault_enabled()) touch_pages();
+      register_pages();
+    }
+  }
+
+  // Fault the (zeroed) pages in on this thread: the driver's registration then only locks them, and
+  // the zeroing runs on as many threads as there are slabs instead of inside the driver call.
+  void touch_pages() {
+    volatile char* p = base;
+    for (size_t off = 0; off < bytes; off += kAlign) p[off] = 0;
   }
 
   void register_pages() {
@@ -94,10 +113,8 @@ void PinnedPool::add_slabs(const std::vector<size_t>& sizes) {
 void PinnedPool::reserve(size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<size_t> sizes;
-  for (size_t left = round_up(bytes, kAlign); left > 0;) {
-    const size_t n = std::min(left, slab_bytes_);
-    sizes.push_back(slab_bytes_);
-    left -= n;
+  for (size_t left = round_up(bytes, kAlign); left > 0; left -= std::min(left, slab_bytes_)) {
+    sizes.push_back(slab_bytes_);  // whole slabs: blocks are carved from them first-fit
   }
   add_slabs(sizes);
 }

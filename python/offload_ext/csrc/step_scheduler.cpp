@@ -1,5 +1,6 @@
-// StepScheduler: one scheduling thread takes units in the order their gradients landed and runs
-// each unit's fused AdamW across the pool (the scheduling thread works as one of the pool's threads).
+// StepScheduler: one scheduling thread takes queued units (the one a caller waits on first, else the
+// lowest id) and runs each unit's fused AdamW across the pool (the scheduling thread works as one of
+// the pool's threads).
 #include "step_scheduler.h"
 
 #include "bf16.h"
@@ -30,6 +31,7 @@ int StepScheduler::add_unit(const StepUnit& unit) {
   expected_.push_back(0);
   stepped_.push_back(0);
   sq_norms_.push_back(0.0);
+  waiters_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -153,15 +155,18 @@ void StepScheduler::loop() {
     Queued job;
     bool skip;
     StepUnit unit;
+    int delay_us;
     std::exception_ptr failure;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;
-      job = queue_.front();
-      queue_.pop_front();
+      const auto next = pick_locked();
+      job = *next;
+      queue_.erase(next);
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
       unit = units_[job.unit];
+      delay_us = debug_step_delay_us_;
       if (fail_next_ && !skip) {
         fail_next_ = false;
         failure = std::make_exception_ptr(std::runtime_error(
@@ -171,6 +176,7 @@ void StepScheduler::loop() {
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!skip) {
+      if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       try {
         run(unit, job);
       } catch (...) {
@@ -191,6 +197,22 @@ void StepScheduler::loop() {
   }
 }
 
+std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
+  // A unit someone is blocked on goes first (a forward layer, or a gradient slot about to be reused);
+  // else the lowest unit id, the one the next forward needs soonest. The first queued job of the
+  // chosen unit is taken, so one unit's jobs keep their order.
+  auto best = queue_.end();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (best == queue_.end()) {
+      best = it;
+      continue;
+    }
+    const bool urgent = waiters_[it->unit] > 0, best_urgent = waiters_[best->unit] > 0;
+    if (urgent != best_urgent ? urgent : it->unit < best->unit) best = it;
+  }
+  return best;
+}
+
 void StepScheduler::rethrow_locked() {
   if (error_) {
     std::exception_ptr e = error_;
@@ -202,18 +224,40 @@ void StepScheduler::rethrow_locked() {
 void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
-  done_cv_.wait(lock, [&] { return stepped_[id] >= expected_[id]; });
+  if (stepped_[id] < expected_[id]) {
+    ++waiters_[id];
+    const auto t0 = std::chrono::steady_clock::now();
+    done_cv_.wait(lock, [&] { return stepped_[id] >= expected_[id]; });
+    --waiters_[id];
+    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   rethrow_locked();
+}
+
+bool StepScheduler::ready(int id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  return stepped_[id] >= expected_[id];
+}
+
+void StepScheduler::set_debug_step_delay_us(int us) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  debug_step_delay_us_ = std::max(0, us);
 }
 
 void StepScheduler::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [&] {
+  const auto all_done = [&] {
     for (size_t i = 0; i < units_.size(); ++i) {
       if (stepped_[i] < expected_[i]) return false;
     }
     return true;
-  });
+  };
+  if (!all_done()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    done_cv_.wait(lock, all_done);
+    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   rethrow_locked();
 }
 

@@ -1,5 +1,6 @@
 // StepScheduler: steps a unit (one layer's flat AdamW spans) on the library's worker threads the
-// moment that unit's gradients have landed, while the GPU runs backward on the layers below.
+// moment that unit's gradients have landed, while the GPU runs backward on the layers below; a step
+// still queued when backward ends may finish during the next forward, before that unit is copied.
 // Notifications may come from any thread (a CUDA host callback included); waits block without the
 // GIL (the bindings release it); a failed step is kept and rethrown to the next caller.
 #pragma once
@@ -46,6 +47,7 @@ enum class Job {
 struct SchedulerStats {
   double busy_seconds = 0;   // wall time spent stepping, summed over units
   int64_t units_stepped = 0;
+  double wait_seconds = 0;   // time callers spent blocked in wait/wait_all
 };
 
 class StepScheduler {
@@ -66,12 +68,17 @@ class StepScheduler {
   // The last kNorm result of unit `id` (after waiting for it).
   double sq_norm(int id) const;
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
+  // While someone waits on a unit, its queued jobs go before all others.
   void wait(int id);
+  // Whether every announced job of unit `id` is done (no waiting).
+  bool ready(int id) const;
   void wait_all();
   // Rethrows a pending failure without waiting.
   void check();
   // Testing aid: the next unit stepped fails as a real kernel failure would.
   void inject_failure();
+  // Testing aid: every job sleeps this long first, as a slow host would (0 = off).
+  void set_debug_step_delay_us(int us);
   SchedulerStats stats() const;
   std::shared_ptr<ThreadPool> pool() const { return pool_; }
 
@@ -83,6 +90,7 @@ class StepScheduler {
     float scale;
   };
   void loop();
+  std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
   void run(const StepUnit& unit, const Queued& job);
   void rethrow_locked();
 
@@ -91,6 +99,7 @@ class StepScheduler {
   std::vector<int64_t> expected_;  // per unit: steps announced by expect()
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
   std::vector<double> sq_norms_;   // per unit: the last kNorm result
+  std::vector<int> waiters_;       // per unit: callers blocked in wait()
   AdamWHyper hyper_{};
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
@@ -100,6 +109,7 @@ class StepScheduler {
   SchedulerStats stats_;
   bool stopping_ = false;
   bool fail_next_ = false;
+  int debug_step_delay_us_ = 0;
   std::thread thread_;  // last: starts after the members it uses exist
 };
 
