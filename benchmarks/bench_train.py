@@ -3,9 +3,12 @@
 Random-init Llama from a config (no download; Llama-3.2-1B shape by default), bf16 compute, activation
 checkpointing, batch 4 x 2048. Median step time over --steps after --warmup, tok/s, ratios to
 GPU-resident, GPU peak memory, set-up time (and its parts), forward time, and the time the Python thread
-waited on the host AdamW (native: in step(), forward hooks and gradient-slot reuse). A mode is
-backend-precision[-tN][-sync]: N engine threads; sync = async_step=False. Also times the mixed AdamW kernel over the same 973 M parameters in the same run. The loss
-is offload_ext.causal_lm_loss (chunked vocabulary projection) in every mode.
+waited on the host AdamW (native: in step(), forward hooks and gradient-slot reuse). Also times the
+mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
+offload_ext.causal_lm_loss (chunked vocabulary projection) in every mode.
+
+A mode is backend-precision[-tN][-gN][-sync]: tN engine threads, gN gradient slots, sync for
+async_step=False (e.g. native-mixed-g6-sync).
 
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
@@ -24,7 +27,8 @@ import torch
 import _common
 import offload_ext
 
-MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed", "native-mixed-sync"]
+MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed", "native-mixed-g6",
+         "native-mixed-sync"]
 
 
 def parse() -> argparse.Namespace:
@@ -79,8 +83,10 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
     else:
         backend, precision, *options = mode.split("-")
         threads = [int(o[1:]) for o in options if o.startswith("t")]
+        slots = [int(o[1:]) for o in options if o.startswith("g")]
         off = offload_ext.Offloader(model, lr=a.lr, precision=precision, backend=backend, device="cuda",
                                     compile_layers=a.compile, num_threads=threads[0] if threads else None,
+                                    grad_slots=slots[0] if slots else None,
                                     async_step=False if "sync" in options else None)
     torch.cuda.synchronize()
     setup = time.perf_counter() - t0

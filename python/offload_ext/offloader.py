@@ -82,7 +82,7 @@ class Offloader:
         compile_layers: bool = False,
         num_threads: int | None = None,
         pin_threads: bool = True,
-        grad_slots: int = 6,
+        grad_slots: int | None = None,
         offload_all: bool = False,
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
@@ -94,7 +94,7 @@ class Offloader:
             raise ValueError(f"Offloader: grad_accum must be >= 1 (backward() calls per step()), got {grad_accum}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Offloader: max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm}")
-        if grad_slots < 1:
+        if grad_slots is not None and grad_slots < 1:
             raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
         if async_step and backend == "python":
             raise ValueError("Offloader: async_step=True needs backend='native'; the python backend steps every "

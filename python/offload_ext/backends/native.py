@@ -6,8 +6,8 @@ the step writes bf16 params straight into the pinned buffer the next forward cop
 With async_step (the default) step() does not wait for the layers still queued when backward ends:
 the engine steps the lowest layer first, and each layer's next copy waits for its own step, so the
 CPU work left over from backward overlaps the next forward.
-Gradients land in a small ring of pinned staging slots rather than one buffer per layer: a slot is
-reused only once the step that reads it is done, which halves the memory to page-lock.
+In bf16, gradients land in a small ring of pinned staging slots rather than one buffer per layer: a
+slot is reused only once the step that reads it is done, which halves the memory to page-lock.
 """
 from __future__ import annotations
 
@@ -29,9 +29,18 @@ def default_engine_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 2)
 
 
+def default_grad_slots(precision: str, layers: int) -> int:
+    # bf16: the host step of a layer is quicker than the GPU's backward of one, so a few slots never
+    # fill up. mixed: the step is slower (fp32 master and moments), a backlog builds up during
+    # backward, and a full ring would stall backward: one slot per layer (2 more bytes per parameter
+    # of pinned memory; pass grad_slots to trade it back when host memory is tight).
+    return 6 if precision == "bf16" else layers
+
+
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
-                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int = 6, accumulate: bool = False,
+                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
+                 accumulate: bool = False,
                  async_step: bool = True, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         self.asynchronous = async_step
@@ -42,15 +51,17 @@ class NativeBackend(Backend):
         index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
         self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes)
         self._units: list[int] = []
-        self._grad_slots = grad_slots
+        self._grad_slots = grad_slots  # None: chosen in prepare()
         self._ring: list[torch.Tensor] = []
-        self._slot_owner: list[int | None] = [None] * grad_slots  # unit whose step reads the slot
+        self._slot_owner: list[int | None] = []  # per slot: the unit whose step reads it
         self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
         self._flushed: set[int] = set()    # units whose gradients came this step
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
         largest = max(t for _, t in sizes)
+        self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
+        self._slot_owner = [None] * self._grad_slots
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
