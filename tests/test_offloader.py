@@ -227,6 +227,32 @@ def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
     assert engine.stats()["wait_seconds"] > 0.1
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_training_forward_writes_no_kv_cache_so_recompute_sees_the_same_keys(backend) -> None:
+    model = tiny_llama(layers=2)
+    assert model.config.use_cache  # HF would build and fill a cache in this forward
+    off = offload_ext.Offloader(model, backend=backend, device="cpu")
+    x = batches(1)[0]
+    out = model(input_ids=x, labels=x)
+    cache = getattr(out, "past_key_values", None)
+    assert cache is None or cache.get_seq_length() == 0
+    off.backward(out.loss)
+    off.step()
+    off.close()
+
+
+def test_per_layer_torch_compile_trains_like_eager_on_the_simulated_device() -> None:
+    base = tiny_llama(layers=2)
+    runs = {}
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        losses, off = _train(model, "native", "bf16", steps=3, compile_layers=compiled)
+        runs[compiled] = losses
+        off.close()
+    for a, b in zip(runs[True], runs[False]):
+        assert abs(a - b) <= 0.02 * abs(b) + 0.02, runs
+
+
 def test_async_step_is_refused_by_the_python_backend() -> None:
     with pytest.raises(ValueError, match="async_step=True needs backend='native'"):
         offload_ext.Offloader(tiny_llama(layers=2), backend="python", device="cpu", async_step=True)

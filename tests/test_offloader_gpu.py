@@ -170,9 +170,6 @@ def test_checkpoint_recompute_gives_the_gpu_resident_gradients() -> None:
     off.close()
 
 
-@pytest.mark.xfail(strict=True, raises=torch.utils.checkpoint.CheckpointError,
-                   reason="known: with per-layer torch.compile, checkpoint recompute of a GQA Llama layer saves "
-                          "differently shaped tensors than the first forward (seen on torch 2.11)")
 def test_per_layer_torch_compile_trains_like_eager() -> None:
     base, data = small_llama(), repeating_batches(6)
     runs = {}

@@ -48,6 +48,20 @@ class _Stack:
     received: list[set[int]] = field(default_factory=list)   # per layer: offsets whose grad arrived
 
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed layer must not write a KV cache: its recompute would append the same keys again
+    (and a training step has no use for the cache). HF's own checkpointing drops it the same way."""
+    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return kwargs
+    kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -224,7 +238,7 @@ class Offloader:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled():
                 # Recompute is required: saved activations would point at buffers since refilled.
-                return checkpoint(run, *args, use_reentrant=False, **kwargs)
+                return checkpoint(run, *args, use_reentrant=False, **_without_kv_cache(kwargs))
             return run(*args, **kwargs)
 
         layer.forward = forward  # instance attribute; close() deletes it
