@@ -6,12 +6,15 @@ measured in the same run. `--scale` shrinks every layer for small machines.
 
     python benchmarks/bench_adamw.py                 # the full A1 workload
     python benchmarks/bench_adamw.py --scale 0.05    # a 2-core CI-sized machine
+    python benchmarks/bench_adamw.py --contention --threads 14   # mixed kernel alone vs under DMA (GPU)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import threading
+import time
 from typing import Callable
 
 import _common  # noqa: E402  (sets nothing global; imports torch)
@@ -32,6 +35,9 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--tune", action="store_true",
                     help="instead of A1: sweep native thread count, prefetch distance and non-temporal output")
+    ap.add_argument("--contention", action="store_true",
+                    help="only the native mixed kernel, alone and while pinned H2D + D2H copies run (the DMA "
+                         "that training adds), side by side")
     ap.add_argument("--stem", default=None, help="result file name stem (default adamw_<threads>t_scale<scale>)")
     return ap.parse_args()
 
@@ -155,6 +161,55 @@ def tune(n: int, layers: int) -> None:
         print(f"wrote {path}")
 
 
+class CopyLoop:
+    """Back-to-back pinned H2D and D2H copies (256 MB each, own streams) on a thread, until exit."""
+
+    def __init__(self, mb: int = 256) -> None:
+        n = mb << 20
+        self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.dev = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        self.stop = threading.Event()
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            with torch.cuda.stream(self.streams[0]):
+                self.dev[0].copy_(self.host[0], non_blocking=True)
+            with torch.cuda.stream(self.streams[1]):
+                self.host[1].copy_(self.dev[1], non_blocking=True)
+            torch.cuda.synchronize()  # releases the GIL while the copies run
+            self.bytes += 2 * self.host[0].numel()
+
+    def __enter__(self) -> "CopyLoop":
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.gb_per_s = self.bytes / (time.perf_counter() - self.t0) / 1e9
+
+
+def contention(n: int, layers: int) -> None:
+    step = native_step("mixed", n, layers)
+    alone = _common.median_seconds(step, ARGS.steps, ARGS.warmup)
+    with CopyLoop() as loop:
+        busy = _common.median_seconds(step, ARGS.steps, ARGS.warmup)
+    rows = [{"case": "alone", "seconds": alone},
+            {"case": "with H2D + D2H copies", "seconds": busy, "dma_gb_per_s": loop.gb_per_s}]
+    markdown = "\n".join([
+        f"Native mixed kernel, {layers} x {n:,} params, {ARGS.threads} threads", "",
+        "| case | s/step | vs alone | DMA GB/s |", "|---|---:|---:|---:|",
+        f"| alone | {alone:.4f} | 1.00x | 0 |",
+        f"| with H2D + D2H copies | {busy:.4f} | {busy / alone:.2f}x | {loop.gb_per_s:.1f} |"])
+    print(markdown)
+    for path in _common.write_results(ARGS.stem or f"adamw_contention_{ARGS.threads}t", {"rows": rows}, markdown):
+        print(f"wrote {path}")
+
+
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
     offload_ext.set_num_threads(ARGS.threads)
@@ -165,6 +220,9 @@ def main() -> None:
 
     if ARGS.tune:
         tune(n, layers)
+        return
+    if ARGS.contention:
+        contention(n, layers)
         return
     rows: list[dict] = []
 
