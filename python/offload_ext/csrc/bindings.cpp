@@ -171,8 +171,7 @@ class Engine {
     return d;
   }
 
-  std::shared_ptr<Event> copy(int dir, const at::Tensor& dst, const at::Tensor& src, std::shared_ptr<Event> wait,
-                              bool after_compute, int notify_unit, int job) {
+  std::shared_ptr<Event> copy(int dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, int job) {
     TORCH_CHECK(job >= 0 && job <= 3, "Engine.copy: job must be 0 (step), 1 (accumulate first), 2 (accumulate) or "
                 "3 (accumulate and step), got ", num(static_cast<int64_t>(job)));
     check_flat(dst, "the copy's destination");
@@ -196,15 +195,13 @@ class Engine {
       const Job kind = static_cast<Job>(job);
       on_done = [sched, notify_unit, kind] { sched->notify(notify_unit, kind); };
     }
-    return copies_->copy(d, dst.data_ptr(), src.data_ptr(), src.nbytes(), std::move(wait), after_compute,
-                         compute_stream(), std::move(on_done));
+    return copies_->copy(d, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   }
 
   void compute_wait(const std::shared_ptr<Event>& e) {
     TORCH_CHECK(e, "Engine.compute_wait: expected an event, got None");
     copies_->compute_wait(*e, compute_stream());
   }
-  std::shared_ptr<Event> record_compute() { return copies_->record_compute(compute_stream()); }
 
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
@@ -292,9 +289,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using offload_ext::Engine;
   using offload_ext::Event;
   using Release = py::call_guard<py::gil_scoped_release>;
-  py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy or compute marker.")
-      .def("query", &Event::query, Release())
-      .def("synchronize", &Event::synchronize, Release());
+  // Opaque to Python: handed back to Engine.compute_wait.
+  py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy.");
   py::class_<Engine>(m, "Engine", "Pinned memory, copy streams and the overlapped AdamW step scheduler.")
       .def(py::init<int, int, bool, int64_t>(), py::arg("device"), py::arg("num_threads"), py::arg("pin_threads"),
            py::arg("slab_bytes"))
@@ -303,10 +299,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("host_zeros", &Engine::host_zeros, py::arg("numel"), py::arg("dtype"))
       .def("reserve_pinned", &Engine::reserve_pinned, Release())
       .def("memory_stats", &Engine::memory_stats)
-      .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("wait") = nullptr,
-           py::arg("after_compute") = true, py::arg("notify_unit") = -1, py::arg("job") = 0)
+      .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
+           py::arg("job") = 0)
       .def("compute_wait", &Engine::compute_wait, Release())
-      .def("record_compute", &Engine::record_compute)
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none())
       .def("set_hyper", &Engine::set_hyper)
@@ -332,9 +327,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("inject_failure", [](Engine& e) { e.scheduler().inject_failure(); })
       .def("synchronize", [](Engine& e) { e.copies().synchronize(); }, Release())
       .def("set_debug_delay_us", [](Engine& e, int us) { e.copies().set_debug_delay_us(us); })
-      .def("stream_handle", [](Engine& e, int dir) {
-        return e.copies().stream_handle(dir == 0 ? offload_ext::Direction::kH2D : offload_ext::Direction::kD2H);
-      })
       .def("stats", &Engine::stats);
   m.def("cuda_device_count", &offload_ext::cuda_device_count,
         "CUDA devices seen through the CUDA runtime this extension was compiled against (0 in a CPU build).");

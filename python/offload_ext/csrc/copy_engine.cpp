@@ -32,10 +32,6 @@ int random_delay_us(int max_us) {
 
 class HostEvent final : public Event {
  public:
-  bool query() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
@@ -61,7 +57,6 @@ class HostStream {
     void* dst;
     const void* src;
     size_t bytes;
-    std::shared_ptr<Event> wait;
     std::shared_ptr<HostEvent> done;
     CopyEngine::Callback on_done;
   };
@@ -102,7 +97,6 @@ class HostStream {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
-      if (job.wait) job.wait->synchronize();
       if (const int us = random_delay_us(delay_us_.load())) std::this_thread::sleep_for(std::chrono::microseconds(us));
       if (job.bytes) std::memcpy(job.dst, job.src, job.bytes);
       if (job.on_done) job.on_done();
@@ -125,27 +119,21 @@ class HostCopyEngine final : public CopyEngine {
     streams_[0] = std::make_unique<HostStream>(delay_us_);
     streams_[1] = std::make_unique<HostStream>(delay_us_);
   }
-  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, std::shared_ptr<Event> wait,
-                              bool /*after_compute*/, uintptr_t /*compute*/, Callback on_done) override {
+  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t /*compute*/,
+                              Callback on_done) override {
     auto done = std::make_shared<HostEvent>();
     HostStream& s = *streams_[static_cast<int>(dir)];
     s.note_last(done);
-    s.push({dst, src, bytes, std::move(wait), done, std::move(on_done)});
+    s.push({dst, src, bytes, done, std::move(on_done)});
     return done;
   }
   void compute_wait(const Event& e, uintptr_t) override { const_cast<Event&>(e).synchronize(); }
-  std::shared_ptr<Event> record_compute(uintptr_t) override {
-    auto e = std::make_shared<HostEvent>();
-    e->set();  // the simulated compute stream is the caller: everything before is done
-    return e;
-  }
   void synchronize() override {
     for (auto& s : streams_) {
       if (auto last = s->last()) last->synchronize();
     }
   }
   void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
-  uintptr_t stream_handle(Direction) const override { return 0; }
 
  private:
   std::atomic<int> delay_us_{0};
@@ -210,12 +198,6 @@ class CudaEvent final : public Event {
     cuda_check(cudaEventRecord(event_, stream), "cudaEventRecord");
   }
   ~CudaEvent() override { pool_->put(event_); }  // re-recording later never affects earlier waits
-  bool query() override {
-    const cudaError_t err = cudaEventQuery(event_);
-    if (err == cudaErrorNotReady) return false;
-    cuda_check(err, "cudaEventQuery");
-    return true;
-  }
   void synchronize() override { cuda_check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
   cudaEvent_t get() const { return event_; }
 
@@ -246,15 +228,14 @@ class CudaCopyEngine final : public CopyEngine {
     }
   }
 
-  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, std::shared_ptr<Event> wait,
-                              bool after_compute, uintptr_t compute, Callback on_done) override {
+  std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
+                              Callback on_done) override {
     DeviceGuard guard(device_);
     cudaStream_t s = streams_[static_cast<int>(dir)];
-    if (after_compute) {
+    {
       CudaEvent marker(events_, reinterpret_cast<cudaStream_t>(compute));
       cuda_check(cudaStreamWaitEvent(s, marker.get(), 0), "cudaStreamWaitEvent");
     }
-    if (wait) cuda_check(cudaStreamWaitEvent(s, static_cast<const CudaEvent*>(wait.get())->get(), 0), "cudaStreamWaitEvent");
     if (const int us = random_delay_us(delay_us_.load())) {
       cuda_check(cudaLaunchHostFunc(s, sleep_host_callback, reinterpret_cast<void*>(static_cast<uintptr_t>(us))),
                  "cudaLaunchHostFunc");
@@ -274,17 +255,10 @@ class CudaCopyEngine final : public CopyEngine {
     cuda_check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(compute), static_cast<const CudaEvent&>(e).get(), 0),
                "cudaStreamWaitEvent");
   }
-  std::shared_ptr<Event> record_compute(uintptr_t compute) override {
-    DeviceGuard guard(device_);
-    return std::make_shared<CudaEvent>(events_, reinterpret_cast<cudaStream_t>(compute));
-  }
   void synchronize() override {
     for (auto& s : streams_) cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
   void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
-  uintptr_t stream_handle(Direction dir) const override {
-    return reinterpret_cast<uintptr_t>(streams_[static_cast<int>(dir)]);
-  }
 
  private:
   const int device_;

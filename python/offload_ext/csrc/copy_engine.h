@@ -17,8 +17,7 @@ enum class Direction { kH2D = 0, kD2H = 1 };
 class Event {
  public:
   virtual ~Event() = default;
-  virtual bool query() = 0;        // landed?
-  virtual void synchronize() = 0;  // block the calling thread until it has
+  virtual void synchronize() = 0;  // block the calling thread until it has landed
 };
 
 class CopyEngine {
@@ -27,22 +26,17 @@ class CopyEngine {
   virtual ~CopyEngine() = default;
 
   // Copies `bytes` from src to dst on the stream of `dir`. It starts after everything already on
-  // that stream, after `wait` (may be null), and, when `after_compute`, after all work enqueued so
-  // far on the compute stream `compute` (the CUDA stream handle; ignored on the simulated device,
-  // whose compute is the calling thread). `on_done` (may be empty) runs on an engine thread once the
-  // copy has landed; it must not call back into CUDA or Python.
-  virtual std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes,
-                                      std::shared_ptr<Event> wait, bool after_compute, uintptr_t compute,
+  // that stream and after all work enqueued so far on the compute stream `compute` (the CUDA stream
+  // handle; ignored on the simulated device, whose compute is the calling thread). `on_done` (may be
+  // empty) runs on an engine thread once the copy has landed; it must not call back into CUDA or Python.
+  virtual std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
                                       Callback on_done) = 0;
   // Make the compute stream wait for `e` (the simulated device blocks the caller instead).
   virtual void compute_wait(const Event& e, uintptr_t compute) = 0;
-  // An event that completes when all work enqueued so far on the compute stream has.
-  virtual std::shared_ptr<Event> record_compute(uintptr_t compute) = 0;
   // Wait for everything enqueued on both copy streams.
   virtual void synchronize() = 0;
   // Testing aid: before each copy, stall its stream for a random 0..max_us microseconds.
   virtual void set_debug_delay_us(int max_us) = 0;
-  virtual uintptr_t stream_handle(Direction dir) const = 0;
 };
 
 // device < 0: the simulated device. Otherwise a CUDA device index (needs the CUDA build).

@@ -213,6 +213,14 @@ std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
   return best;
 }
 
+template <class Done>
+void StepScheduler::wait_locked(std::unique_lock<std::mutex>& lock, Done done) {
+  if (done()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(lock, done);
+  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void StepScheduler::rethrow_locked() {
   if (error_) {
     std::exception_ptr e = error_;
@@ -224,13 +232,9 @@ void StepScheduler::rethrow_locked() {
 void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
-  if (stepped_[id] < expected_[id]) {
-    ++waiters_[id];
-    const auto t0 = std::chrono::steady_clock::now();
-    done_cv_.wait(lock, [&] { return stepped_[id] >= expected_[id]; });
-    --waiters_[id];
-    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  ++waiters_[id];
+  wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
+  --waiters_[id];
   rethrow_locked();
 }
 
@@ -247,17 +251,12 @@ void StepScheduler::set_debug_step_delay_us(int us) {
 
 void StepScheduler::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
-  const auto all_done = [&] {
+  wait_locked(lock, [&] {
     for (size_t i = 0; i < units_.size(); ++i) {
       if (stepped_[i] < expected_[i]) return false;
     }
     return true;
-  };
-  if (!all_done()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    done_cv_.wait(lock, all_done);
-    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  });
   rethrow_locked();
 }
 

@@ -93,6 +93,9 @@ class StepScheduler {
   std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
   void run(const StepUnit& unit, const Queued& job);
   void rethrow_locked();
+  // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
+  template <class Done>
+  void wait_locked(std::unique_lock<std::mutex>& lock, Done done);
 
   std::shared_ptr<ThreadPool> pool_;
   std::vector<StepUnit> units_;
