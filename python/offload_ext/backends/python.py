@@ -87,12 +87,10 @@ class PythonBackend(Backend):
         )
         if self.precision == "mixed":
             p = torch.nn.Parameter(layer.master)
-            self._fp32_grads.append(torch.zeros(trainable, dtype=torch.float32))
-            p.grad = self._fp32_grads[-1]
+            self._fp32_grads.append(torch.empty(trainable, dtype=torch.float32))
         else:
             p = torch.nn.Parameter(layer.trainable_params)
-            p.grad = layer.grads
-        self._params.append(p)
+        self._params.append(p)  # its .grad is set only while _step_layers steps it
         self._layers.append(layer)
         self._optimizer = None  # rebuilt lazily over all layers
         return layer
@@ -153,8 +151,8 @@ class PythonBackend(Backend):
         return self._optimizer
 
     def finish_step(self) -> float:
-        """Step each layer as soon as its gradient copy has landed, in arrival order: the first ones
-        are stepped while the GPU still runs the end of backward."""
+        """Step each layer as soon as its gradient copy has landed, in arrival order, rather than
+        waiting for every copy first."""
         assert self._hyper is not None, "begin_step was not called"
         waited = 0.0
         pending, self._pending = self._pending, []
@@ -176,16 +174,15 @@ class PythonBackend(Backend):
         opt = self._torch_optimizer()
         group = opt.param_groups[0]
         group.update(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
-        for i, (p, layer) in enumerate(zip(self._params, self._layers)):
+        for i in stepped:  # torch's AdamW steps exactly the parameters that have a .grad
+            p, layer = self._params[i], self._layers[i]
             opt.state[p]["step"].fill_(hyper.step - 1)  # torch's fused step increments it
-            if i not in stepped:
-                p.grad = None
-            elif self.precision == "mixed":
-                self._fp32_grads[i].copy_(layer.accum if layer.accum is not None else layer.grads)
-                p.grad = self._fp32_grads[i]
-            else:
-                p.grad = layer.accum if layer.accum is not None else layer.grads
+            grad = layer.accum if layer.accum is not None else layer.grads
+            if self.precision == "mixed":
+                grad = self._fp32_grads[i].copy_(grad)
+            p.grad = grad
         opt.step()
-        if self.precision == "mixed":
-            for i in stepped:
+        for i in stepped:
+            self._params[i].grad = None
+            if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
