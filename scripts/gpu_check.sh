@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
-# train-quick train-native train-compile test-gpu train-1b train-default (default: build test adamw train).
+# train-quick train-compile test-gpu train-1b train-default (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,9 +50,6 @@ for step in "${steps[@]}"; do
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     train) run train python3 benchmarks/bench_train.py ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
-    train-native)  # the native variants only: async vs sync step, gradient ring sizes, thread counts
-      run train_native python3 benchmarks/bench_train.py --stem train_b1_native \
-        --modes resident,native-bf16,native-bf16-sync,native-mixed,native-mixed-g6,native-mixed-sync,native-mixed-t15 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
