@@ -51,18 +51,15 @@ def parse() -> argparse.Namespace:
 
 
 def build_model(a: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    from offload_ext.train import bf16_llama
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                       max_position_embeddings=max(a.seq, 128), tie_word_embeddings=True, rope_theta=500000.0)
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters born bf16: no fp32 copy of the model
-    try:
-        model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    model = bf16_llama(cfg)
     model.config.use_cache = False
     return model
 

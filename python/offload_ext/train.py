@@ -121,8 +121,21 @@ def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
     return (lambda t: tok.encode(t).ids), tok.token_to_id("<|endoftext|>"), tok.get_vocab_size(), tok
 
 
+def bf16_llama(cfg: Any) -> torch.nn.Module:
+    """A random-init LlamaForCausalLM whose parameters are born bf16, the dtype it trains in: no fp32
+    copy of the model is ever made."""
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(args.seed)
     if args.model in BUILTIN:
@@ -133,12 +146,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
                           num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                           tie_word_embeddings=tied, max_position_embeddings=max(2048, args.seq_len),
                           rope_theta=500000.0, use_cache=False)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # born bf16, the dtype it trains in: no fp32 copy to make
-        try:
-            return LlamaForCausalLM(cfg)
-        finally:
-            torch.set_default_dtype(previous)
+        return bf16_llama(cfg)
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
