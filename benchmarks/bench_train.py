@@ -7,8 +7,10 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection) in every mode.
 
-A mode is backend-precision[-tN][-gN][-sync]: tN engine threads, gN gradient slots, sync for
-async_step=False (e.g. native-mixed-g6-sync).
+A mode is backend-precision[-tN][-gN][-dN][-whole][-sync]: tN engine threads, gN gradient slots, dN
+device_layers, whole for host steps not sliced (one unit at a time, as before slicing), sync for
+async_step=False (e.g. native-mixed-g6-sync). The host busy column is the engine's stepping time per
+step; step minus busy is the time the host had nothing to step.
 
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
@@ -28,7 +30,7 @@ import _common
 import offload_ext
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed", "native-mixed-g6",
-         "native-mixed-sync"]
+         "native-mixed-sync", "native-mixed-d16"]
 
 
 def parse() -> argparse.Namespace:
@@ -81,16 +83,21 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
         backend, precision, *options = mode.split("-")
         threads = [int(o[1:]) for o in options if o.startswith("t")]
         slots = [int(o[1:]) for o in options if o.startswith("g")]
+        device_layers = [int(o[1:]) for o in options if o.startswith("d")]
         off = offload_ext.Offloader(model, lr=a.lr, precision=precision, backend=backend, device="cuda",
                                     compile_layers=a.compile, num_threads=threads[0] if threads else None,
                                     grad_slots=slots[0] if slots else None,
+                                    device_layers=device_layers[0] if device_layers else 2,
                                     async_step=False if "sync" in options else None)
+        if "whole" in options:
+            off._backend.engine.set_slice_elements(1 << 62)
     torch.cuda.synchronize()
     setup = time.perf_counter() - t0
     model.train()
-    steps, forwards, waits, losses = [], [], [], []
+    steps, forwards, waits, losses, busy = [], [], [], [], []
     for k in range(a.warmup + a.steps):
         waited = off.stats()["host_wait_s"] if off is not None else 0.0
+        busy0 = off.stats().get("step_busy_seconds", 0.0) if off is not None else 0.0
         t0 = time.perf_counter()
         loss = offload_ext.causal_lm_loss(model, tokens)
         torch.cuda.synchronize()
@@ -111,9 +118,11 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
             # Time the Python thread was blocked on host work: in step() (python backend, native with
             # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
             waits.append(max(off.last_step_wait, off.stats()["host_wait_s"] - waited) if off is not None else 0.0)
+            busy.append(off.stats().get("step_busy_seconds", 0.0) - busy0 if off is not None else 0.0)
     peak = torch.cuda.max_memory_allocated() / 1e9
     row = {"mode": mode, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
-           "step_wait_s": statistics.median(waits), "setup_s": setup, "gpu_peak_gb": peak, "losses": losses,
+           "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
+           "gpu_peak_gb": peak, "losses": losses,
            "tokens_per_s": tokens.numel() / statistics.median(steps)}
     if mode.startswith("native-mixed"):
         row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
@@ -124,6 +133,7 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
     del model
     parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
     print(f"  {mode:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s  wait {row['step_wait_s']:.4f} s"
+          f"  busy {row['host_busy_s']:.4f} s"
           f"  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
     return row
 
@@ -153,13 +163,14 @@ def main() -> None:
           f"compile={a.compile}", flush=True)
     rows = [run_mode(m, base, a, tokens) for m in modes]
     resident = next((r for r in rows if r["mode"] == "resident"), None)
-    lines = ["| mode | s/step | tok/s | vs resident (time) | forward s | host wait s | set-up s | GPU peak GB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | s/step | tok/s | vs resident (time) | forward s | host wait s | host busy s | set-up s | "
+             "GPU peak GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["step_s"] / resident["step_s"] if resident else float("nan")
         r["time_ratio_vs_resident"] = ratio
         lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
-                     f"{r['forward_s']:.4f} | {r['step_wait_s']:.4f} | {r['setup_s']:.2f} | {r['gpu_peak_gb']:.2f} |")
+                     f"{r['forward_s']:.4f} | {r['step_wait_s']:.4f} | {r['host_busy_s']:.4f} | {r['setup_s']:.2f} | "
+                     f"{r['gpu_peak_gb']:.2f} |")
     for mixed in (r for r in rows if "a1_mixed_kernel_s" in r):
         # The forward of the GPU-resident run when there is one: the offloaded forward can include
         # waiting for host steps left over from the previous backward.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -225,6 +226,86 @@ def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
     assert not engine.ready(2)
     engine.wait_all()
     assert engine.stats()["wait_seconds"] > 0.1
+
+
+def _engine_units(engine, sizes, precision):
+    """Engine units over fresh random tensors (kept alive in the returned list)."""
+    state = torch.float32 if precision == "mixed" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    units, tensors = [], []
+    for n in sizes:
+        t = [torch.randn(n, generator=g).to(state), torch.randn(n, generator=g).to(torch.bfloat16),
+             torch.randn(n, generator=g).to(state), torch.rand(n, generator=g).to(state),
+             torch.empty(n, dtype=torch.bfloat16) if precision == "mixed" else None,
+             torch.randn(n, generator=g).to(torch.bfloat16)]
+        units.append(engine.add_unit(*t[:4], t[4], accum=t[5]))
+        tensors.append(t)
+    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    return units, tensors
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision) -> None:
+    results = []
+    for slice_elements in (None, 1000):  # 1000: slices end off the SIMD width, in the scalar tail
+        engine = offload_ext.ops.native().Engine(-1, 2, False, 1 << 20)
+        if slice_elements:
+            engine.set_slice_elements(slice_elements)
+        (u,), tensors = _engine_units(engine, [10_007], precision)
+        grad = tensors[0][1]
+        landing = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        # One job at a time: a landing copy must not overwrite the gradient a step still reads.
+        for submit in (lambda: engine.notify(u),                                   # step with the gradient
+                       lambda: engine.copy(1, grad, landing, notify_unit=u, job=1),  # accum = landed
+                       lambda: engine.copy(1, grad, landing, notify_unit=u, job=3),  # accum += it; step
+                       lambda: engine.run(u, 5, 0.5),                              # accum *= 0.5; step
+                       lambda: engine.run(u, 4, 1.0)):                             # norm (not sliced)
+            submit()
+            engine.wait_unit(u)
+        results.append([t for t in tensors[0] if t is not None] + [torch.tensor(engine.sq_norm(u))])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> None:
+    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
+    engine.set_slice_elements(1024)
+    (low, high), _ = _engine_units(engine, [1024, 8 * 1024], "bf16")
+    engine.set_debug_step_delay_us(20_000)  # every slice: 20 ms; the high unit has 8
+    engine.notify(high)                     # starts at once, as the top layer's gradients land first
+    time.sleep(0.05)
+    engine.notify(low)
+    engine.wait_unit(low)                   # taken after the high unit's current slice
+    assert not engine.ready(high)           # which still has slices left
+    engine.wait_all()
+    with pytest.raises(ValueError, match="slice"):
+        engine.set_slice_elements(0)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_device_layers_keep_the_last_forward_layers_for_their_recompute(backend) -> None:
+    base = tiny_llama(layers=4)
+    ref_losses, ref_model = reference_training(base, batches(3), "mixed", LR, WD)
+    copies = {}
+    for device_layers in (2, 3, 4):
+        model = copy.deepcopy(base)
+        off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="mixed", backend=backend,
+                                    device="cpu", device_layers=device_layers)
+        loads = []
+        load = off._backend.load
+        off._backend.load = lambda index, layer, dst: loads.append(index) or load(index, layer, dst)
+        assert offloaded_training(off, model, batches(3)) == ref_losses
+        off.close()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+        copies[device_layers] = len(loads) / 3
+    # Per step: 4 forward copies, plus a recompute copy for each layer not still on the device.
+    assert copies == {2: 4 + 2, 3: 4 + 1, 4: 4}
+
+
+def test_fewer_than_two_device_layers_are_refused() -> None:
+    with pytest.raises(ValueError, match="device_layers must be >= 2"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cpu", device_layers=1)
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])

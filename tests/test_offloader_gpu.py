@@ -100,13 +100,15 @@ class TransferHeavy(nn.Module):
 
 
 def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_us: int = 0,
-                          **kw) -> tuple[list[float], dict]:
+                          slice_elements: int | None = None, **kw) -> tuple[list[float], dict]:
     model = TransferHeavy()
     off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda", **kw)
     if delay:
         _randomise_copy_timing(off)
     if step_delay_us:
         off._backend.engine.set_debug_step_delay_us(step_delay_us)
+    if slice_elements:
+        off._backend.engine.set_slice_elements(slice_elements)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -151,6 +153,24 @@ def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() ->
     losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=10_000)
     assert losses == sync_losses
     for name, w in sync_weights.items():
+        assert torch.equal(w, weights[name]), name
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_layers_kept_on_the_device_for_recompute_train_exactly_like_two_buffers(backend) -> None:
+    plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)
+    losses, weights = _train_transfer_heavy(backend, delay=True, device_layers=8)
+    assert losses == plain_losses
+    for name, w in plain_weights.items():
+        assert torch.equal(w, weights[name]), name
+
+
+def test_host_steps_in_small_slices_on_a_slow_host_train_exactly_like_whole_steps() -> None:
+    whole_losses, whole_weights = _train_transfer_heavy("native", delay=False, slice_elements=1 << 62)
+    # 1 ms per 100k-element slice: ~95 slices per layer, the lower layers cut in ahead of started ones.
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=1_000, slice_elements=100_000)
+    assert losses == whole_losses
+    for name, w in whole_weights.items():
         assert torch.equal(w, weights[name]), name
 
 

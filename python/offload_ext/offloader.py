@@ -1,4 +1,4 @@
-"""Offloader: streams a model's layer stacks from host memory through two device buffers, and owns
+"""Offloader: streams a model's layer stacks from host memory through a few device buffers, and owns
 the optimizer (host AdamW for streamed layers, a device AdamW for everything else).
 
 Hooks are backend-agnostic: each streamed layer's forward is wrapped (activation checkpointing
@@ -40,11 +40,11 @@ class _Stack:
     slots: list[list[_Slot]] = field(default_factory=list)   # per layer: trainable first, then frozen
     trainable: list[int] = field(default_factory=list)      # per layer: number of trainable params
     unit: list[int] = field(default_factory=list)           # per layer: global layer index in the backend
-    dev_params: list[torch.Tensor] = field(default_factory=list)  # two device buffers
-    dev_grads: list[torch.Tensor] = field(default_factory=list)
-    resident: list[int | None] = field(default_factory=lambda: [None, None])
-    loaded: list[Any] = field(default_factory=lambda: [None, None])
-    grads_free: list[Any] = field(default_factory=lambda: [None, None])
+    dev_params: list[torch.Tensor] = field(default_factory=list)  # device_layers buffers: layer i uses i % n
+    dev_grads: list[torch.Tensor] = field(default_factory=list)   # two (one for the unit outside the stacks)
+    resident: list[int | None] = field(default_factory=list)      # per buffer: the layer it holds
+    loaded: list[Any] = field(default_factory=list)               # per buffer: its copy's event
+    grads_free: list[Any] = field(default_factory=list)
     received: list[set[int]] = field(default_factory=list)   # per layer: offsets whose grad arrived
 
 
@@ -97,6 +97,7 @@ class Offloader:
         num_threads: int | None = None,
         pin_threads: bool = True,
         grad_slots: int | None = None,
+        device_layers: int = 2,
         offload_all: bool = False,
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
@@ -110,6 +111,9 @@ class Offloader:
             raise ValueError(f"Offloader: max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm}")
         if grad_slots is not None and grad_slots < 1:
             raise ValueError(f"Offloader: grad_slots must be >= 1 (pinned gradient staging slots), got {grad_slots}")
+        if device_layers < 2:
+            raise ValueError(f"Offloader: device_layers must be >= 2 (one layer computes while the next is "
+                             f"copied), got {device_layers}")
         if async_step and backend == "python":
             raise ValueError("Offloader: async_step=True needs backend='native'; the python backend steps every "
                              "layer inside step(), after backward, by design")
@@ -142,6 +146,7 @@ class Offloader:
                                      async_step=async_step is not False)
         stacked = {id(p) for _, s in stacks for p in s.parameters()}
         self._layer_count = 0
+        self.device_layers = device_layers
         t0 = time.perf_counter()
         self._stacks = [self._plan(name, list(stack), [list(l.parameters()) for l in stack])
                         for name, stack in stacks]
@@ -156,7 +161,7 @@ class Offloader:
         self._backend.prepare([size for stack in self._stacks for size in self._sizes(stack)], own)
         t1 = time.perf_counter()
         for stack in self._stacks:
-            self._fill(stack)
+            self._fill(stack, device_buffers=min(len(stack.layers), device_layers))
         if self._host_outer is not None:
             self._fill(self._host_outer, device_buffers=1, own_grads=True)  # bound by _prefetch_first
         t2 = time.perf_counter()
@@ -191,8 +196,9 @@ class Offloader:
         return [(sum(s.numel for s in slots), sum(s.numel for s in slots[:t]))
                 for slots, t in zip(stack.slots, stack.trainable)]
 
-    def _fill(self, stack: _Stack, device_buffers: int = 2, own_grads: bool = False) -> None:
-        """Move each layer's values into its host buffers; the module keeps empty device placeholders."""
+    def _fill(self, stack: _Stack, device_buffers: int, own_grads: bool = False) -> None:
+        """Move each layer's values into its host buffers; the module keeps empty device placeholders.
+        The device gets `device_buffers` layer buffers for params and up to two for gradients."""
         for slots, t, (n, trainable) in zip(stack.slots, stack.trainable, self._sizes(stack)):
             host = self._backend.new_layer(n, trainable, own_grads=own_grads)
             for k, s in enumerate(slots):
@@ -206,7 +212,9 @@ class Offloader:
         sizes = self._sizes(stack)
         stack.dev_params = [self._backend.device_buffer(max(n for n, _ in sizes)) for _ in range(device_buffers)]
         stack.dev_grads = [self._backend.device_buffer(max(1, max(t for _, t in sizes)))
-                           for _ in range(device_buffers)]
+                           for _ in range(min(2, device_buffers))]
+        stack.resident, stack.loaded = [None] * device_buffers, [None] * device_buffers
+        stack.grads_free = [None] * len(stack.dev_grads)
         stack.unit = list(range(self._layer_count, self._layer_count + len(stack.layers)))
         self._layer_count += len(stack.layers)
 
@@ -265,7 +273,7 @@ class Offloader:
         nxt = i - 1 if recompute else i + 1
         # A layer whose host step is still running is loaded by its own hook instead, after this
         # layer's kernels are launched: waiting here would hold them back.
-        if (0 <= nxt < len(stack.layers) and stack.resident[nxt % 2] != nxt
+        if (0 <= nxt < len(stack.layers) and stack.resident[nxt % len(stack.dev_params)] != nxt
                 and self._backend.ready(stack.unit[nxt])):
             self._load(stack, nxt)
 

@@ -322,7 +322,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("ready", [](Engine& e, int unit) { return e.scheduler().ready(unit); },
            "Whether every announced job of `unit` is done (a copy from its params is safe), without waiting.")
       .def("set_debug_step_delay_us", [](Engine& e, int us) { e.scheduler().set_debug_step_delay_us(us); },
-           "Testing aid: each scheduled job sleeps this long first, as on a slow host.")
+           "Testing aid: each slice of a scheduled job sleeps this long first, as on a slow host.")
+      .def("set_slice_elements", [](Engine& e, int64_t n) { e.scheduler().set_slice_elements(n); },
+           py::arg("elements"),
+           "Elements a job steps before the scheduler chooses again (a lower unit may go first); results do "
+           "not depend on it.")
       .def("check", [](Engine& e) { e.scheduler().check(); })
       .def("inject_failure", [](Engine& e) { e.scheduler().inject_failure(); })
       .def("synchronize", [](Engine& e) { e.copies().synchronize(); }, Release())

@@ -1,6 +1,6 @@
 // StepScheduler: one scheduling thread takes queued units (the one a caller waits on first, else the
-// lowest id) and runs each unit's fused AdamW across the pool (the scheduling thread works as one of
-// the pool's threads).
+// lowest id) and runs each unit's fused AdamW across the pool, one slice at a time, choosing again
+// after every slice (the scheduling thread works as one of the pool's threads).
 #include "step_scheduler.h"
 
 #include "bf16.h"
@@ -109,6 +109,21 @@ void bf16_copy(uint16_t* dst, const uint16_t* src, int64_t n, ThreadPool& pool) 
   });
 }
 
+// Elements [begin, end) of a unit, as a unit of its own.
+StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
+  const int64_t state = u.bf16_mode ? 2 : 4;  // bytes per param / moment element
+  const int64_t grad = u.bf16_mode || u.grad_type == GradType::kBF16 ? 2 : 4;
+  StepUnit s = u;
+  s.param = static_cast<char*>(u.param) + begin * state;
+  s.grad = static_cast<const char*>(u.grad) + begin * grad;
+  s.exp_avg = static_cast<char*>(u.exp_avg) + begin * state;
+  s.exp_avg_sq = static_cast<char*>(u.exp_avg_sq) + begin * state;
+  if (u.param_out != nullptr) s.param_out = u.param_out + begin;
+  if (u.accum != nullptr) s.accum = u.accum + begin;
+  s.numel = end - begin;
+  return s;
+}
+
 }  // namespace
 
 void StepScheduler::run(const StepUnit& unit, const Queued& job) {
@@ -156,6 +171,7 @@ void StepScheduler::loop() {
     bool skip;
     StepUnit unit;
     int delay_us;
+    int64_t end;
     std::exception_ptr failure;
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -167,6 +183,8 @@ void StepScheduler::loop() {
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
       unit = units_[job.unit];
       delay_us = debug_step_delay_us_;
+      // A norm is one sum in a fixed order; a skipped job is done at once.
+      end = job.job == Job::kNorm || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
       if (fail_next_ && !skip) {
         fail_next_ = false;
         failure = std::make_exception_ptr(std::runtime_error(
@@ -178,7 +196,7 @@ void StepScheduler::loop() {
     if (!skip) {
       if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       try {
-        run(unit, job);
+        run(sub_unit(unit, job.begin, end), job);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -187,11 +205,15 @@ void StepScheduler::loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure && !error_) error_ = failure;
-      ++stepped_[job.unit];
-      if (!skip) {
-        stats_.busy_seconds += seconds;
-        ++stats_.units_stepped;
+      if (!skip) stats_.busy_seconds += seconds;
+      if (end < unit.numel && !error_) {
+        // The rest goes back at the front: this unit's later jobs stay behind it.
+        job.begin = end;
+        queue_.push_front(job);
+        continue;
       }
+      ++stepped_[job.unit];
+      if (!skip) ++stats_.units_stepped;
     }
     done_cv_.notify_all();
   }
@@ -247,6 +269,12 @@ bool StepScheduler::ready(int id) const {
 void StepScheduler::set_debug_step_delay_us(int us) {
   std::lock_guard<std::mutex> lock(mutex_);
   debug_step_delay_us_ = std::max(0, us);
+}
+
+void StepScheduler::set_slice_elements(int64_t n) {
+  if (n < 1) throw std::invalid_argument("StepScheduler: slice must be >= 1 element, got " + std::to_string(n));
+  std::lock_guard<std::mutex> lock(mutex_);
+  slice_ = n;
 }
 
 void StepScheduler::wait_all() {

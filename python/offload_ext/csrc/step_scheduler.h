@@ -1,6 +1,8 @@
 // StepScheduler: steps a unit (one layer's flat AdamW spans) on the library's worker threads the
 // moment that unit's gradients have landed, while the GPU runs backward on the layers below; a step
 // still queued when backward ends may finish during the next forward, before that unit is copied.
+// A unit's job advances in slices, so a unit the next forward needs sooner can go ahead of one
+// already started (the top layer, whose gradients land first, is needed last).
 // Notifications may come from any thread (a CUDA host callback included); waits block without the
 // GIL (the bindings release it); a failed step is kept and rethrown to the next caller.
 #pragma once
@@ -77,8 +79,11 @@ class StepScheduler {
   void check();
   // Testing aid: the next unit stepped fails as a real kernel failure would.
   void inject_failure();
-  // Testing aid: every job sleeps this long first, as a slow host would (0 = off).
+  // Testing aid: every slice of a job sleeps this long first, as a slow host would (0 = off).
   void set_debug_step_delay_us(int us);
+  // Elements per slice (>= 1); elementwise jobs give the same result on any slicing.
+  void set_slice_elements(int64_t n);
+  static constexpr int64_t kDefaultSlice = int64_t{1} << 24;
   SchedulerStats stats() const;
   std::shared_ptr<ThreadPool> pool() const { return pool_; }
 
@@ -88,6 +93,7 @@ class StepScheduler {
     AdamWHyper hyper;
     Job job;
     float scale;
+    int64_t begin = 0;  // elements done by earlier slices
   };
   void loop();
   std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
@@ -113,6 +119,7 @@ class StepScheduler {
   bool stopping_ = false;
   bool fail_next_ = false;
   int debug_step_delay_us_ = 0;
+  int64_t slice_ = kDefaultSlice;
   std::thread thread_;  // last: starts after the members it uses exist
 };
 
