@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
-# train-quick train-compile test-gpu train-1b train-default (default: build test adamw train).
+# train-quick train-mixed train-compile gap test-gpu train-1b train-default (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,12 +50,18 @@ for step in "${steps[@]}"; do
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     train) run train python3 benchmarks/bench_train.py ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
+    train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
+      run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
+        resident,native-mixed-whole,native-mixed,native-mixed-d16,native-mixed-whole,native-mixed,native-mixed-d16,native-bf16-whole,native-bf16 ;;
+    gap) run gap python3 benchmarks/bench_gap.py ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
-# Only a few files come back from the device machine: everything under $OUT also goes into one archive.
+# Only a few files come back from the device machine: everything under $OUT (and the result files the
+# benchmarks wrote) also goes into one archive.
+cp -r benchmarks/results "$OUT/results"
 tar -czf /tmp/offload_ext_results.tgz -C "$OUT" . && mv /tmp/offload_ext_results.tgz "$OUT/all_results.tgz"
 exit $status

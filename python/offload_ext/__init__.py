@@ -5,7 +5,7 @@ from ._version import __version__
 from ._info import build_info
 from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
 from . import stacks
-from .losses import causal_lm_loss
+from .losses import causal_lm_loss, lm_head_loss
 from .offloader import Offloader
 from .optim import CPUAdamW
 
@@ -19,5 +19,6 @@ __all__ = [
     "supported_simd_level",
     "CPUAdamW",
     "causal_lm_loss",
+    "lm_head_loss",
     "Offloader",
 ]

@@ -18,9 +18,12 @@ def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                    chunk_tokens: int = 2048) -> torch.Tensor:
     """Mean cross-entropy of predicting labels[:, 1:] (default: input_ids) from an HF causal LM."""
-    labels = input_ids if labels is None else labels
     hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
-    head = model.get_output_embeddings()
+    return lm_head_loss(model.get_output_embeddings(), hidden, input_ids if labels is None else labels, chunk_tokens)
+
+
+def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tensor:
+    """Mean cross-entropy of head(hidden[:, :-1]) against labels[:, 1:], in checkpointed chunks of tokens."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
