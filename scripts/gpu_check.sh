@@ -7,6 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/offload_ext_out}
 mkdir -p "$OUT"
+touch "$OUT/.start"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test adamw train)
@@ -48,7 +49,7 @@ for step in "${steps[@]}"; do
       OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default
       cp /tmp/run_default/metrics.jsonl "$OUT/metrics_default.jsonl" ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
-    train) run train python3 benchmarks/bench_train.py ;;
+    train) run train python3 benchmarks/bench_train.py --modes resident,python-bf16,native-bf16,native-mixed,native-mixed-d16 ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
@@ -62,6 +63,6 @@ for step in "${steps[@]}"; do
 done
 # Only a few files come back from the device machine: everything under $OUT (and the result files the
 # benchmarks wrote) also goes into one archive.
-cp -r benchmarks/results "$OUT/results"
+mkdir -p "$OUT/results" && find benchmarks/results -type f -newer "$OUT/.start" -exec cp {} "$OUT/results/" \;
 tar -czf /tmp/offload_ext_results.tgz -C "$OUT" . && mv /tmp/offload_ext_results.tgz "$OUT/all_results.tgz"
 exit $status

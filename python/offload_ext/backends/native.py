@@ -5,7 +5,8 @@ engine's worker threads at once, so the CPU steps layer i while the GPU runs bac
 the step writes bf16 params straight into the pinned buffer the next forward copies from.
 With async_step (the default) step() does not wait for the layers still queued when backward ends:
 the engine steps the lowest layer first, and each layer's next copy waits for its own step, so the
-CPU work left over from backward overlaps the next forward.
+CPU work left over from backward overlaps the next forward. The engine steps a unit in slices and
+chooses again after each, so the lowest layer goes first even when a higher one has started.
 In bf16, gradients land in a small ring of pinned staging slots rather than one buffer per layer: a
 slot is reused only once the step that reads it is done, which halves the memory to page-lock.
 """
@@ -62,6 +63,11 @@ class NativeBackend(Backend):
         largest = max(t for _, t in sizes)
         self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
         self._slot_owner = [None] * self._grad_slots
+        if self._grad_slots < len(sizes):
+            # The engine steps units in slices so that a lower layer can overtake one already started.
+            # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
+            # layers the layer that reuses the slot would wait in backward: step whole units instead.
+            self._engine.set_slice_elements(1 << 62)
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
