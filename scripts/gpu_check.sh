@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
-# train-quick train-mixed train-compile gap test-gpu train-1b train-default (default: build test adamw train).
+# adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
+# Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
+# files written after it in the same call do not come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/offload_ext_out}
@@ -49,6 +51,7 @@ for step in "${steps[@]}"; do
       OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default
       cp /tmp/run_default/metrics.jsonl "$OUT/metrics_default.jsonl" ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
+    adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train) run train python3 benchmarks/bench_train.py --modes resident,python-bf16,native-bf16,native-mixed,native-mixed-d16 ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
