@@ -303,6 +303,18 @@ def test_device_layers_keep_the_last_forward_layers_for_their_recompute(backend)
     assert copies == {2: 4 + 2, 3: 4 + 1, 4: 4}
 
 
+def test_python_backend_layer_buffers_are_disjoint_page_aligned_views_of_one_allocation() -> None:
+    off = offload_ext.Offloader(tiny_llama(layers=3), backend="python", device="cpu", offload_all=True)
+    arena = off._backend._arena.tensor
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for stack in off._units() for b in stack.host
+                   for t in (b.params, b.grads))
+    assert len(spans) == 2 * 4  # three layers and the unit outside the stacks
+    assert all(a % 4096 == 0 for a, _ in spans)
+    assert spans[0][0] >= arena.data_ptr() and spans[-1][1] <= arena.data_ptr() + arena.nbytes
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    off.close()
+
+
 def test_fewer_than_two_device_layers_are_refused() -> None:
     with pytest.raises(ValueError, match="device_layers must be >= 2"):
         offload_ext.Offloader(tiny_llama(layers=2), device="cpu", device_layers=1)

@@ -5,10 +5,15 @@ used before it has landed (in forward and in activation-checkpointing recompute 
 runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
 land, so the first layers are stepped while the GPU finishes backward. On the simulated device, copies run
 on one worker thread per direction and events are futures.
+
+Pinned buffers come from one host allocation, faulted in by torch's threads and then page-locked with a
+single cudaHostRegister: torch's pin_memory would round each layer's buffer up to a power of two and
+page-lock it in the driver page by page (2-3 s for B1's 4 GB).
 """
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +60,44 @@ class _ThreadCopies:
     host_wait = compute_wait
 
 
+class _PinnedArena:
+    """Views into one host tensor, page-locked as a whole on CUDA (plain memory on the simulated device)."""
+
+    _ALIGN = 2048  # elements of 2 bytes: every view starts on a 4 KiB page
+
+    def __init__(self, numel: int, dtype: torch.dtype, lock: bool) -> None:
+        self.tensor = torch.empty(numel + self._ALIGN, dtype=dtype)  # slack to start on a page
+        self.tensor.zero_()  # faults the pages in on torch's threads, before the driver locks them
+        self._used = (-self.tensor.data_ptr() % 4096) // self.tensor.element_size()
+        self._unlock = None
+        if lock:
+            cudart = torch.cuda.cudart()
+            ptr = self.tensor.data_ptr()
+            err = cudart.cudaHostRegister(ptr, self.tensor.nbytes, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(f"Offloader (python backend): cudaHostRegister of {self.tensor.nbytes / 2**30:.2f} "
+                                   f"GiB failed: {cudart.cudaGetErrorString(err)}; free host memory or raise the "
+                                   "locked-memory limit (ulimit -l)")
+            self._unlock = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
+
+    @classmethod
+    def footprint(cls, numel: int) -> int:
+        return -(-numel // cls._ALIGN) * cls._ALIGN
+
+    def take(self, numel: int) -> torch.Tensor | None:
+        """The next `numel` elements, or None when the arena is used up."""
+        end = self._used + self.footprint(numel)
+        if end > self.tensor.numel():
+            return None
+        view = self.tensor[self._used:self._used + numel]
+        self._used = end
+        return view
+
+    def release(self) -> None:
+        if self._unlock is not None:
+            self._unlock()
+
+
 class PythonBackend(Backend):
     def __init__(self, device: torch.device, precision: str, accumulate: bool = False, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
@@ -68,17 +111,24 @@ class PythonBackend(Backend):
         self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
         self._accumulated: set[int] = set()  # layers with a gradient sum this step
         self._hyper: Hyper | None = None
+        self._arena: _PinnedArena | None = None
 
-    def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=pin and self._pin)
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """One pinned arena for every layer's params and grads."""
+        fp = _PinnedArena.footprint
+        self._arena = _PinnedArena(sum(fp(n) + fp(t) for n, t in [*sizes, *own_grads]), torch.bfloat16, self._pin)
+
+    def _pinned(self, numel: int) -> torch.Tensor:
+        view = self._arena.take(numel) if self._arena is not None else None
+        return view if view is not None else torch.empty(numel, dtype=torch.bfloat16, pin_memory=self._pin)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
         # Here every layer has a grad buffer of its own, so own_grads changes nothing.
-        params = self._host(numel, torch.bfloat16, pin=True)
+        params = self._pinned(numel)
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         layer = LayerBuffers(
             params=params,
-            grads=self._host(trainable, torch.bfloat16, pin=True),  # always written by a D2H before use
+            grads=self._pinned(trainable),  # always written by a D2H before use
             exp_avg=torch.zeros(trainable, dtype=state_dtype),
             exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
@@ -186,3 +236,9 @@ class PythonBackend(Backend):
             self._params[i].grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
+
+    def close(self) -> None:
+        if self._arena is not None:
+            if self._pin:
+                torch.cuda.synchronize(self.device)  # no copy may still use the memory being unlocked
+            self._arena.release()
