@@ -96,8 +96,7 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
     model.train()
     steps, forwards, waits, losses, busy = [], [], [], [], []
     for k in range(a.warmup + a.steps):
-        waited = off.stats()["host_wait_s"] if off is not None else 0.0
-        busy0 = off.stats().get("step_busy_seconds", 0.0) if off is not None else 0.0
+        before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
         loss = offload_ext.causal_lm_loss(model, tokens)
         torch.cuda.synchronize()
@@ -117,8 +116,10 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
             forwards.append(t_fwd)
             # Time the Python thread was blocked on host work: in step() (python backend, native with
             # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
-            waits.append(max(off.last_step_wait, off.stats()["host_wait_s"] - waited) if off is not None else 0.0)
-            busy.append(off.stats().get("step_busy_seconds", 0.0) - busy0 if off is not None else 0.0)
+            after = off.stats() if off is not None else {}
+            waits.append(max(off.last_step_wait, after["host_wait_s"] - before["host_wait_s"]) if off is not None
+                         else 0.0)
+            busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
     peak = torch.cuda.max_memory_allocated() / 1e9
     row = {"mode": mode, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,

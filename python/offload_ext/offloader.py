@@ -251,15 +251,20 @@ class Offloader:
 
         layer.forward = forward  # instance attribute; close() deletes it
 
+    @staticmethod
+    def _slot(stack: _Stack, i: int) -> int:
+        """The device buffer layer i is loaded into."""
+        return i % len(stack.dev_params)
+
     def _load(self, stack: _Stack, i: int) -> None:
-        slot = i % len(stack.dev_params)
+        slot = self._slot(stack, i)
         dst = stack.dev_params[slot][: stack.host[i].params.numel()]
         stack.loaded[slot] = self._backend.load(stack.unit[i], stack.host[i], dst)
         stack.resident[slot] = i
 
     def _bind(self, stack: _Stack, i: int) -> None:
         """Make layer i resident in its device buffer and point its parameters there."""
-        slot = i % len(stack.dev_params)
+        slot = self._slot(stack, i)
         if stack.resident[slot] != i:
             self._load(stack, i)
         self._backend.compute_wait(stack.loaded[slot])
@@ -273,7 +278,7 @@ class Offloader:
         nxt = i - 1 if recompute else i + 1
         # A layer whose host step is still running is loaded by its own hook instead, after this
         # layer's kernels are launched: waiting here would hold them back.
-        if (0 <= nxt < len(stack.layers) and stack.resident[nxt % len(stack.dev_params)] != nxt
+        if (0 <= nxt < len(stack.layers) and stack.resident[self._slot(stack, nxt)] != nxt
                 and self._backend.ready(stack.unit[nxt])):
             self._load(stack, nxt)
 
