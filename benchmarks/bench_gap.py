@@ -3,9 +3,10 @@
 With the native backend the host steps layer i after its gradients land and before its next forward, so
 in every step it idles from the top layer's step (needed by that layer's forward) to the top layer's next
 gradients. In between the GPU runs, GPU-resident and timed here one part at a time: the top layer's
-forward, the loss head forward and backward (offload_ext.lm_head_loss, chunked and checkpointed), the
-top layer's recompute and backward, and two layer-sized copies (its H2D and its gradients' D2H). This
-chain is compared with the whole forward, the `forward` of bench_train's mixed bound.
+forward, the loss head forward and backward (offload_ext.lm_head_loss; its native and torch
+cross-entropy side by side), the top layer's recompute and backward, and two layer-sized copies (its H2D
+and its gradients' D2H). This chain is compared with the whole forward, the `forward` of bench_train's
+mixed bound.
 
     python benchmarks/bench_gap.py                # B1 shape
     python benchmarks/bench_gap.py --layers 2 --hidden 256 --intermediate 512 --seq 256 --vocab 1024
@@ -68,24 +69,31 @@ def main() -> None:
         hidden.grad = None
 
     steps, warmup = a.steps, a.warmup
-    parts = {
-        "forward (whole model, with the loss)": gpu_seconds(lambda: offload_ext.causal_lm_loss(model, tokens), steps, warmup),
-        "step (forward + backward, GPU-resident, no optimizer)":
-            gpu_seconds(lambda: backward(offload_ext.causal_lm_loss(model, tokens)), steps, warmup),
-        "top layer forward": gpu_seconds(layer_out, steps, warmup),
-        "top layer forward + recompute + backward": gpu_seconds(lambda: backward(layer_out()), steps, warmup),
-        "loss head forward": gpu_seconds(lambda: offload_ext.lm_head_loss(head, hidden, tokens), steps, warmup),
-        "loss head forward + backward":
-            gpu_seconds(lambda: backward(offload_ext.lm_head_loss(head, hidden, tokens)), steps, warmup),
-    }
+    parts: dict[str, float] = {}
+    # The loss through its native row kernels (what training uses) and through F.cross_entropy on fp32
+    # logits (the fallback), side by side; the chain uses the native one.
+    for backend in ("native", "torch"):
+        def loss(backend: str = backend) -> torch.Tensor:
+            return offload_ext.causal_lm_loss(model, tokens, backend=backend)
+
+        def head_loss(backend: str = backend) -> torch.Tensor:
+            return offload_ext.lm_head_loss(head, hidden, tokens, backend=backend)
+
+        parts[f"forward (whole model, with the loss), {backend} loss"] = gpu_seconds(loss, steps, warmup)
+        parts[f"step (forward + backward, GPU-resident, no optimizer), {backend} loss"] = gpu_seconds(
+            lambda: backward(loss()), steps, warmup)
+        parts[f"loss head forward, {backend}"] = gpu_seconds(head_loss, steps, warmup)
+        parts[f"loss head forward + backward, {backend}"] = gpu_seconds(lambda: backward(head_loss()), steps, warmup)
+    parts["top layer forward"] = gpu_seconds(layer_out, steps, warmup)
+    parts["top layer forward + recompute + backward"] = gpu_seconds(lambda: backward(layer_out()), steps, warmup)
     layer_bytes = sum(p.numel() * p.element_size() for p in top.parameters())
     host = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
     parts["one layer's H2D"] = gpu_seconds(lambda: dev.copy_(host, non_blocking=True), steps, warmup)
     parts["one layer's D2H"] = gpu_seconds(lambda: host.copy_(dev, non_blocking=True), steps, warmup)
     chain = (parts["one layer's H2D"] + parts["top layer forward + recompute + backward"]
-             + parts["loss head forward + backward"] + parts["one layer's D2H"])
-    forward = parts["forward (whole model, with the loss)"]
+             + parts["loss head forward + backward, native"] + parts["one layer's D2H"])
+    forward = parts["forward (whole model, with the loss), native loss"]
     lines = ["| part | ms |", "|---|---:|"] + [f"| {k} | {v * 1e3:.2f} |" for k, v in parts.items()]
     lines += ["", f"Chain the host idles through (H2D + top layer fwd/recompute/bwd + head fwd/bwd + D2H): "
                   f"{chain * 1e3:.2f} ms; whole forward: {forward * 1e3:.2f} ms; chain - forward: "

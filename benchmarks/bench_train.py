@@ -5,7 +5,7 @@ checkpointing, batch 4 x 2048. Median step time over --steps after --warmup, tok
 GPU-resident, GPU peak memory, set-up time (and its parts), forward time, and the time the Python thread
 waited on the host AdamW (native: in step(), forward hooks and gradient-slot reuse). Also times the
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
-offload_ext.causal_lm_loss (chunked vocabulary projection) in every mode.
+offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
 A mode is backend-precision[-tN][-gN][-dN][-whole][-sync]: tN engine threads, gN gradient slots, dN
 device_layers, whole for host steps not sliced (one unit at a time, as before slicing), sync for

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 EXT_NAME = "offload_ext._C"
 CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
-# Sources that need the CUDA runtime; compiled only into a CUDA build.
-CUDA_ONLY_SOURCES: tuple[str, ...] = ()
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -95,9 +93,10 @@ def plan_build(torch_cuda_version: str | None) -> BuildPlan:
         with_cuda, reason = True, f"torch CUDA {torch_cuda_version}, toolkit at {cuda_home}"
     if force_cuda and not with_cuda:
         raise RuntimeError(f"offload_ext: OFFLOAD_EXT_FORCE_CUDA is set but the CUDA parts cannot be built: {reason}")
+    # C++ sources always; CUDA kernels (*.cu) only into a CUDA build.
     sources = sorted(glob.glob(os.path.join(CSRC_DIR, "*.cpp")))
-    if not with_cuda:
-        sources = [s for s in sources if os.path.basename(s) not in CUDA_ONLY_SOURCES]
+    if with_cuda:
+        sources += sorted(glob.glob(os.path.join(CSRC_DIR, "*.cu")))
     # No -std: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
     if with_cuda:

@@ -1,7 +1,11 @@
 """causal_lm_loss: the next-token loss of an HF causal LM without materialising the whole batch's logits.
 
-The vocabulary projection and cross-entropy run in chunks of tokens, each checkpointed, so at most one
-chunk of fp32 logits exists at a time (forward and backward). Same value as the model's own loss.
+The vocabulary projection and cross-entropy run in chunks of tokens. Every chunk but the last is
+checkpointed, so one chunk of logits exists at a time; the last one is computed last in the forward
+and first in the backward, so keeping it costs no memory and saves its recompute. With the native
+extension the cross-entropy is one fused pass over the logits in their own dtype each way (backend
+"native"); without it, F.cross_entropy on fp32 logits (backend "torch"). Same value as the model's
+own loss.
 """
 from __future__ import annotations
 
@@ -10,24 +14,88 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _ext
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), labels, reduction="sum", ignore_index=-100)
+IGNORE_INDEX = -100
+BACKENDS = ("auto", "native", "torch")
+
+
+class _RowCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy (fp32) of [rows, vocab] logits through the native kernels.
+
+    With `overwrite`, the backward writes the logits' gradient over the saved logits instead of new
+    memory: only safe when nothing else saved them (the output of a plain nn.Linear).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, overwrite: bool) -> torch.Tensor:
+        loss, lse = torch.ops.offload_ext.cross_entropy_rows(logits, labels, IGNORE_INDEX)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.overwrite = overwrite
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, labels, lse = ctx.saved_tensors
+        out = logits if ctx.overwrite else torch.empty_like(logits)
+        torch.ops.offload_ext.cross_entropy_rows_backward(logits, lse, labels, grad.float().contiguous(),
+                                                          IGNORE_INDEX, out)
+        if ctx.overwrite:
+            # A second backward through this graph must fail loudly, not read gradients as logits.
+            torch.autograd.graph.increment_version(logits)
+        return out, None, None
+
+
+def _native_kernels_for(device: torch.device) -> bool:
+    if not _ext.available() or device.type not in ("cpu", "cuda"):
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("offload_ext::cross_entropy_rows", device.type.upper())
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"lm_head_loss: backend must be one of {BACKENDS}, got {backend!r}")
+    native = _native_kernels_for(device)
+    if backend == "native" and not native:
+        raise RuntimeError(
+            f"lm_head_loss: backend='native' needs the extension's cross-entropy kernels for {device.type} "
+            f"(extension: {'loaded' if _ext.available() else _ext.error()}; a CUDA build is needed for CUDA "
+            "tensors). Use backend='auto' or 'torch'.")
+    return "native" if backend == "native" or (backend == "auto" and native) else "torch"
+
+
+def _native_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden)
+    return _RowCrossEntropy.apply(logits.contiguous(), labels, type(head) is nn.Linear).sum()
+
+
+def _torch_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                   chunk_tokens: int = 2048) -> torch.Tensor:
+                   chunk_tokens: int = 4096, backend: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of predicting labels[:, 1:] (default: input_ids) from an HF causal LM."""
     hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
-    return lm_head_loss(model.get_output_embeddings(), hidden, input_ids if labels is None else labels, chunk_tokens)
+    return lm_head_loss(model.get_output_embeddings(), hidden, input_ids if labels is None else labels,
+                        chunk_tokens, backend)
 
 
-def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tensor:
-    """Mean cross-entropy of head(hidden[:, :-1]) against labels[:, 1:], in checkpointed chunks of tokens."""
+def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096,
+                 backend: str = "auto") -> torch.Tensor:
+    """Mean cross-entropy of head(hidden[:, :-1]) against labels[:, 1:] (-100 ignored), in chunks of tokens.
+
+    backend: "native" (fused kernels of the extension), "torch" (F.cross_entropy on fp32 logits) or
+    "auto" (native when the extension has kernels for hidden's device).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"lm_head_loss: chunk_tokens must be at least 1, got {chunk_tokens}")
+    chunk_loss = _native_chunk_loss if _resolve_backend(backend, hidden.device) == "native" else _torch_chunk_loss
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, h.shape[0], chunk_tokens):
-        total = total + checkpoint(_chunk_loss, head, h[start:start + chunk_tokens], y[start:start + chunk_tokens],
-                                   use_reentrant=False)
-    return total / (y != -100).sum().clamp_min(1)
+        part = (head, h[start:start + chunk_tokens], y[start:start + chunk_tokens])
+        last = start + chunk_tokens >= h.shape[0]
+        total = total + (chunk_loss(*part) if last else checkpoint(chunk_loss, *part, use_reentrant=False))
+    return total / (y != IGNORE_INDEX).sum().clamp_min(1)

@@ -13,6 +13,7 @@
 
 #include "adamw.h"
 #include "copy_engine.h"
+#include "cross_entropy.h"
 #include "pinned_pool.h"
 #include "step_scheduler.h"
 #include "thread_pool.h"
@@ -260,10 +261,16 @@ TORCH_LIBRARY(offload_ext, m) {
   m.def(
       "adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step) -> ()");
+  m.def("cross_entropy_rows(Tensor logits, Tensor labels, int ignore_index) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "cross_entropy_rows_backward(Tensor logits, Tensor lse, Tensor labels, Tensor grad, int ignore_index, "
+      "Tensor(a!) grad_logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
   m.impl("adamw_step", &offload_ext::adamw_step);
+  m.impl("cross_entropy_rows", &offload_ext::cross_entropy_rows_cpu);
+  m.impl("cross_entropy_rows_backward", &offload_ext::cross_entropy_rows_backward_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
