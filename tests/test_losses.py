@@ -80,6 +80,13 @@ def test_loss_rejects_a_label_outside_the_vocabulary() -> None:
         offload_ext.lm_head_loss(head, torch.randn(1, 3, 8), labels, backend="native")
 
 
+def test_auto_backend_uses_the_native_kernels_only_on_cuda() -> None:
+    assert losses._resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert losses._resolve_backend("native", torch.device("cpu")) == "native"
+    if torch.cuda.is_available():
+        assert losses._resolve_backend("auto", torch.device("cuda")) == "native"
+
+
 def test_loss_rejects_an_unknown_backend_and_a_bad_chunk_size() -> None:
     head, hidden, labels = nn.Linear(8, 10), torch.randn(1, 3, 8), torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="backend must be one of"):

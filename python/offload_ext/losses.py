@@ -2,10 +2,11 @@
 
 The vocabulary projection and cross-entropy run in chunks of tokens. Every chunk but the last is
 checkpointed, so one chunk of logits exists at a time; the last one is computed last in the forward
-and first in the backward, so keeping it costs no memory and saves its recompute. With the native
-extension the cross-entropy is one fused pass over the logits in their own dtype each way (backend
-"native"); without it, F.cross_entropy on fp32 logits (backend "torch"). Same value as the model's
-own loss.
+and first in the backward, so keeping it costs no memory and saves its recompute. On CUDA the
+cross-entropy is the extension's fused kernels, one pass over the logits in their own dtype each way
+(backend "native"); elsewhere, or without a CUDA build, F.cross_entropy on fp32 logits (backend
+"torch"; on the CPU it is faster than the extension's plain C++ loops). Same value as the model's own
+loss.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
             f"lm_head_loss: backend='native' needs the extension's cross-entropy kernels for {device.type} "
             f"(extension: {'loaded' if _ext.available() else _ext.error()}; a CUDA build is needed for CUDA "
             "tensors). Use backend='auto' or 'torch'.")
-    return "native" if backend == "native" or (backend == "auto" and native) else "torch"
+    return "native" if backend == "native" or (backend == "auto" and native and device.type == "cuda") else "torch"
 
 
 def _native_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ch
                  backend: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of head(hidden[:, :-1]) against labels[:, 1:] (-100 ignored), in chunks of tokens.
 
-    backend: "native" (fused kernels of the extension), "torch" (F.cross_entropy on fp32 logits) or
-    "auto" (native when the extension has kernels for hidden's device).
+    backend: "native" (the extension's fused kernels), "torch" (F.cross_entropy on fp32 logits) or
+    "auto" (native on CUDA when the extension was built with CUDA, else torch).
     """
     if chunk_tokens < 1:
         raise ValueError(f"lm_head_loss: chunk_tokens must be at least 1, got {chunk_tokens}")
