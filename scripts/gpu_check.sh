@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
-# adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default (default: build test adamw train).
+# adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
+# (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
 # files written after it in the same call do not come back.
@@ -50,6 +51,13 @@ for step in "${steps[@]}"; do
     train-default)
       OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default
       cp /tmp/run_default/metrics.jsonl "$OUT/metrics_default.jsonl" ;;
+    loss-curves)  # the default run with each loss backend and chunk size: how far rounding alone moves the curve
+      export OFFLOAD_TRAIN_NO_BAR=1
+      for variant in torch-2048 torch-4096 native-2048 native-4096; do
+        run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --loss-backend "${variant%-*}" \
+          --loss-chunk-tokens "${variant#*-}"
+        cp "/tmp/run_loss_${variant}/metrics.jsonl" "$OUT/metrics_loss_${variant}.jsonl"
+      done ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train) run train python3 benchmarks/bench_train.py --modes resident,python-bf16,native-bf16,native-mixed,native-mixed-d16 ;;

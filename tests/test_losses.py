@@ -81,10 +81,10 @@ def test_loss_rejects_a_label_outside_the_vocabulary() -> None:
 
 
 def test_auto_backend_uses_the_native_kernels_only_on_cuda() -> None:
-    assert losses._resolve_backend("auto", torch.device("cpu")) == "torch"
-    assert losses._resolve_backend("native", torch.device("cpu")) == "native"
+    assert losses.resolve_loss_backend("auto", torch.device("cpu")) == "torch"
+    assert losses.resolve_loss_backend("native", torch.device("cpu")) == "native"
     if torch.cuda.is_available():
-        assert losses._resolve_backend("auto", torch.device("cuda")) == "native"
+        assert losses.resolve_loss_backend("auto", torch.device("cuda")) == "native"
 
 
 def test_loss_rejects_an_unknown_backend_and_a_bad_chunk_size() -> None:

@@ -38,6 +38,18 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
     assert model.config.num_hidden_layers == train.BUILTIN["tiny"][1]
 
 
+def test_loss_backends_start_from_the_same_loss_and_both_learn(tmp_path) -> None:
+    curves = {}
+    for backend in ("native", "torch"):
+        out = str(tmp_path / backend)
+        train.run(train.parse_args(["--out", out, *FAST, "--steps", "24", "--loss-backend", backend,
+                                    "--loss-chunk-tokens", "50"]))
+        curves[backend] = [r["loss"] for r in _metrics(out)]
+    assert curves["native"][0] == pytest.approx(curves["torch"][0], rel=1e-5)
+    for losses in curves.values():
+        assert losses[-1] < losses[0] - 0.4
+
+
 @pytest.mark.parametrize("extra", [[], ["--device", "cpu-sim", "--backend", "native", "--precision", "mixed"],
                                    ["--device", "cpu-sim", "--backend", "python", "--offload-all"],
                                    ["--device", "cpu-sim", "--backend", "native", "--grad-accum", "2"]])
@@ -112,6 +124,18 @@ def test_native_backend_without_the_extension_is_a_clear_error(tmp_path, capsys,
     monkeypatch.setattr(_ext, "_error", "compiler not found")  # what _load() records on a failed build
     _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--backend", "native", *FAST],
            "--backend native: the native extension is not available (compiler not found)", capsys)
+
+
+def test_native_loss_without_the_extension_and_a_zero_loss_chunk_are_clear_errors(tmp_path, capsys,
+                                                                                  monkeypatch) -> None:
+    _fails(["--out", str(tmp_path), "--loss-chunk-tokens", "0", *FAST], "--loss-chunk-tokens must be at least 1",
+           capsys)
+    from offload_ext import _ext
+
+    monkeypatch.setattr(_ext, "_native", None)
+    monkeypatch.setattr(_ext, "_error", "compiler not found")
+    _fails(["--out", str(tmp_path), "--loss-backend", "native", *FAST],
+           "--loss-backend native: lm_head_loss: backend='native' needs the extension's cross-entropy kernels", capsys)
 
 
 def test_offload_refuses_training_without_activation_checkpointing(tmp_path, capsys) -> None:

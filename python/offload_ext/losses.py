@@ -53,7 +53,8 @@ def _native_kernels_for(device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("offload_ext::cross_entropy_rows", device.type.upper())
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_loss_backend(backend: str, device: torch.device) -> str:
+    """The cross-entropy `backend` ("auto", "native" or "torch") means for tensors on `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"lm_head_loss: backend must be one of {BACKENDS}, got {backend!r}")
     native = _native_kernels_for(device)
@@ -91,7 +92,7 @@ def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ch
     """
     if chunk_tokens < 1:
         raise ValueError(f"lm_head_loss: chunk_tokens must be at least 1, got {chunk_tokens}")
-    chunk_loss = _native_chunk_loss if _resolve_backend(backend, hidden.device) == "native" else _torch_chunk_loss
+    chunk_loss = _native_chunk_loss if resolve_loss_backend(backend, hidden.device) == "native" else _torch_chunk_loss
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)

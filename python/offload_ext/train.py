@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .losses import causal_lm_loss
+from .losses import BACKENDS, causal_lm_loss, resolve_loss_backend
 
 BUILTIN = {
     # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab, model vocab or None)
@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                      "simulated device); auto = cuda if available, else cpu")
     ap.add_argument("--no-activation-checkpointing", dest="checkpointing", action="store_false")
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    ap.add_argument("--loss-backend", choices=BACKENDS, default="auto",
+                    help="cross-entropy of the loss: the extension's kernels (native), torch's, or auto "
+                         "(native on CUDA)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=4096,
+                    help="tokens per chunk of the vocabulary projection (GPU memory for logits vs speed)")
     ap.add_argument("--out", default="runs/offload-train")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
@@ -245,13 +250,18 @@ class Trainer:
             print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
             self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed")
 
+    def _micro_batch_loss(self, stream: data_mod.TokenStream) -> torch.Tensor:
+        a = self.args
+        batch = stream.next_batch().to(self.device)
+        return causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend) / a.grad_accum
+
     def train_step(self, stream: data_mod.TokenStream, lr: float) -> float:
         a = self.args
         if self.off is not None:
             self.off.lr = lr
             total = 0.0
             for _ in range(a.grad_accum):
-                loss = causal_lm_loss(self.model, stream.next_batch().to(self.device)) / a.grad_accum
+                loss = self._micro_batch_loss(stream)
                 self.off.backward(loss)
                 total += loss.item()
             self.off.step()
@@ -262,7 +272,7 @@ class Trainer:
             group["lr"] = lr
         total = 0.0
         for _ in range(a.grad_accum):
-            loss = causal_lm_loss(self.model, stream.next_batch().to(self.device)) / a.grad_accum
+            loss = self._micro_batch_loss(stream)
             loss.backward()
             total += loss.item()
         if a.max_grad_norm is not None:
@@ -327,6 +337,15 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------ main
 
+def check_loss_args(args: argparse.Namespace, device: torch.device) -> None:
+    if args.loss_chunk_tokens < 1:
+        raise UsageError(f"--loss-chunk-tokens must be at least 1, got {args.loss_chunk_tokens}")
+    try:
+        resolve_loss_backend(args.loss_backend, device)
+    except RuntimeError as exc:
+        raise UsageError(f"--loss-backend {args.loss_backend}: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device, simulated = resolve_device(args)
     on_gpu = device.type == "cuda"
@@ -334,6 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("offload-train: no CUDA device: training on the CPU without offload (--backend none)", flush=True)
         args.backend = "none"
     apply_defaults(args, on_gpu)
+    check_loss_args(args, device)
     if args.backend == "native":
         from . import _ext
 
