@@ -57,7 +57,9 @@ for step in "${steps[@]}"; do
         run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --loss-backend "${variant%-*}" \
           --loss-chunk-tokens "${variant#*-}"
         cp "/tmp/run_loss_${variant}/metrics.jsonl" "$OUT/metrics_loss_${variant}.jsonl"
-      done ;;
+      done
+      run loss_curves python3 benchmarks/compare_curves.py --stem loss_curves_default \
+        "$OUT"/metrics_loss_{torch-2048,torch-4096,native-2048,native-4096}.jsonl ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train) run train python3 benchmarks/bench_train.py --modes resident,python-bf16,native-bf16,native-mixed,native-mixed-d16 ;;

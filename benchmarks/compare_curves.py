@@ -1,0 +1,49 @@
+"""Compares offload-train loss curves (metrics.jsonl files): mean loss over windows of steps, and the first
+step at which each curve leaves the first one by more than --tol. Rounding differences (another
+cross-entropy kernel, another chunking) grow over a run; this shows how far.
+
+    python benchmarks/compare_curves.py --stem loss_curves_default benchmarks/results/loss_curve_*.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import _common
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", help="metrics.jsonl files; the first is the reference")
+    ap.add_argument("--windows", default="0:50,50:100,100:150,150:200", help="step ranges [a, b) to average")
+    ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--stem", default="loss_curves")
+    return ap.parse_args()
+
+
+def losses(path: str) -> list[float]:
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def main() -> None:
+    a = parse()
+    windows = [tuple(int(x) for x in w.split(":")) for w in a.windows.split(",")]
+    curves = {os.path.basename(p).removesuffix(".jsonl"): losses(p) for p in a.files}
+    ref = next(iter(curves.values()))
+    head = "| curve | " + " | ".join(f"mean loss, steps {lo + 1}-{hi}" for lo, hi in windows) + " | final | first step off the first curve |"
+    lines = [head, "|---|" + "---:|" * (len(windows) + 2)]
+    for name, c in curves.items():
+        off = next((i + 1 for i, (x, y) in enumerate(zip(c, ref)) if abs(x - y) > a.tol), None)
+        means = " | ".join(f"{statistics.mean(c[lo:hi]):.4f}" for lo, hi in windows)
+        lines.append(f"| {name} | {means} | {c[-1]:.4f} | {off if off is not None else '-'} |")
+    markdown = "\n".join(lines)
+    print(markdown)
+    for path in _common.write_results(a.stem, {"files": a.files, "tol": a.tol, "windows": windows}, markdown):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
