@@ -24,6 +24,8 @@ def test_cuda_parts_were_compiled() -> None:
     info = offload_ext.build_info()
     assert info["cuda"] is True, info
     assert info["cuda_runtime_compiled"] == torch.version.cuda
+    for op in ("cross_entropy_rows", "cross_entropy_rows_backward"):  # the *.cu kernels are in the build
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"offload_ext::{op}", "CUDA"), op
 
 
 def test_default_thread_count_leaves_a_core_free() -> None:
