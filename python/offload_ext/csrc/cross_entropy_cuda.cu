@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <string>
 
 namespace offload_ext {
 namespace {
@@ -128,6 +130,12 @@ bool rows_aligned(const void* base, int64_t vocab) {
   return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (vocab * static_cast<int64_t>(sizeof(T))) % 16 == 0;
 }
 
+// One block per row: the grid's x dimension bounds the rows of one call.
+void check_rows_fit_grid(const char* who, int64_t rows) {
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), who, ": expected at most 2^31 - 1 rows per call, got ",
+              std::to_string(rows), "; pass the logits in chunks");
+}
+
 int threads_for(int64_t vocab) {
   const int64_t warps = (vocab + 31) / 32;
   return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, warps * 32)));
@@ -136,6 +144,7 @@ int threads_for(int64_t vocab) {
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(const at::Tensor& logits, const at::Tensor& labels,
                                                            int64_t ignore_index) {
   check_cross_entropy_args("cross_entropy_rows", logits, labels);
+  check_rows_fit_grid("cross_entropy_rows", logits.size(0));
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   auto loss = at::empty({rows}, logits.options().dtype(at::kFloat));
@@ -161,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(const at::Tensor& log
 void cross_entropy_rows_backward_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& labels,
                                       const at::Tensor& grad, int64_t ignore_index, at::Tensor grad_logits) {
   check_cross_entropy_backward_args("cross_entropy_rows_backward", logits, lse, labels, grad, grad_logits);
+  check_rows_fit_grid("cross_entropy_rows_backward", logits.size(0));
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   if (rows == 0) return;
