@@ -33,7 +33,8 @@ def main() -> None:
     windows = [tuple(int(x) for x in w.split(":")) for w in a.windows.split(",")]
     curves = {os.path.basename(p).removesuffix(".jsonl"): losses(p) for p in a.files}
     ref = next(iter(curves.values()))
-    head = "| curve | " + " | ".join(f"mean loss, steps {lo + 1}-{hi}" for lo, hi in windows) + " | final | first step off the first curve |"
+    columns = [f"mean loss, steps {lo + 1}-{hi}" for lo, hi in windows] + ["final", "first step off the first curve"]
+    head = "| curve | " + " | ".join(columns) + " |"
     lines = [head, "|---|" + "---:|" * (len(windows) + 2)]
     for name, c in curves.items():
         off = next((i + 1 for i, (x, y) in enumerate(zip(c, ref)) if abs(x - y) > a.tol), None)

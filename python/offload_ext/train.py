@@ -253,7 +253,8 @@ class Trainer:
     def _micro_batch_loss(self, stream: data_mod.TokenStream) -> torch.Tensor:
         a = self.args
         batch = stream.next_batch().to(self.device)
-        return causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend) / a.grad_accum
+        loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
+        return loss / a.grad_accum
 
     def train_step(self, stream: data_mod.TokenStream, lr: float) -> float:
         a = self.args
