@@ -42,7 +42,7 @@ void StepScheduler::set_hyper(const AdamWHyper& h) {
 
 void StepScheduler::expect(int id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  check_unit_locked(id);
   ++expected_[id];
 }
 
@@ -243,6 +243,10 @@ void StepScheduler::wait_locked(std::unique_lock<std::mutex>& lock, Done done) {
   stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+void StepScheduler::check_unit_locked(int id) const {
+  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+}
+
 void StepScheduler::rethrow_locked() {
   if (error_) {
     std::exception_ptr e = error_;
@@ -253,7 +257,7 @@ void StepScheduler::rethrow_locked() {
 
 void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  check_unit_locked(id);
   ++waiters_[id];
   wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
   --waiters_[id];
@@ -262,7 +266,7 @@ void StepScheduler::wait(int id) {
 
 bool StepScheduler::ready(int id) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  check_unit_locked(id);
   return stepped_[id] >= expected_[id];
 }
 
@@ -295,7 +299,7 @@ void StepScheduler::check() {
 
 double StepScheduler::sq_norm(int id) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  check_unit_locked(id);
   return sq_norms_[id];
 }
 

@@ -99,6 +99,7 @@ class StepScheduler {
   std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
   void run(const StepUnit& unit, const Queued& job);
   void rethrow_locked();
+  void check_unit_locked(int id) const;  // requires mutex_; throws std::out_of_range for an unknown unit
   // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
   template <class Done>
   void wait_locked(std::unique_lock<std::mutex>& lock, Done done);
