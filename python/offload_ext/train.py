@@ -12,7 +12,7 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -250,32 +250,30 @@ class Trainer:
             print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
             self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed")
 
-    def _micro_batch_loss(self, stream: data_mod.TokenStream) -> torch.Tensor:
+    def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None]) -> float:
+        """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss."""
         a = self.args
-        batch = stream.next_batch().to(self.device)
-        loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
-        return loss / a.grad_accum
+        total = 0.0
+        for _ in range(a.grad_accum):
+            batch = stream.next_batch().to(self.device)
+            loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
+            loss = loss / a.grad_accum
+            backward(loss)
+            total += loss.item()
+        return total
 
     def train_step(self, stream: data_mod.TokenStream, lr: float) -> float:
         a = self.args
         if self.off is not None:
             self.off.lr = lr
-            total = 0.0
-            for _ in range(a.grad_accum):
-                loss = self._micro_batch_loss(stream)
-                self.off.backward(loss)
-                total += loss.item()
+            total = self._micro_batches(stream, self.off.backward)
             self.off.step()
             self.off.zero_grad()
             self.last_grad_norm = self.off.last_grad_norm
             return total
         for group in self.opt.param_groups:
             group["lr"] = lr
-        total = 0.0
-        for _ in range(a.grad_accum):
-            loss = self._micro_batch_loss(stream)
-            loss.backward()
-            total += loss.item()
+        total = self._micro_batches(stream, torch.Tensor.backward)
         if a.max_grad_norm is not None:
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm))
         self.opt.step()
