@@ -84,11 +84,12 @@ class _PinnedArena:
     def footprint(cls, numel: int) -> int:
         return -(-numel // cls._ALIGN) * cls._ALIGN
 
-    def take(self, numel: int) -> torch.Tensor | None:
-        """The next `numel` elements, or None when the arena is used up."""
+    def take(self, numel: int) -> torch.Tensor:
+        """The next `numel` elements (the arena is sized in prepare() for every buffer to come)."""
         end = self._used + self.footprint(numel)
         if end > self.tensor.numel():
-            return None
+            raise RuntimeError(f"Offloader (python backend): the pinned arena has no room for {numel} more "
+                               "elements; prepare() was told fewer or smaller layers than new_layer() asks for")
         view = self.tensor[self._used:self._used + numel]
         self._used = end
         return view
@@ -119,8 +120,8 @@ class PythonBackend(Backend):
         self._arena = _PinnedArena(sum(fp(n) + fp(t) for n, t in [*sizes, *own_grads]), torch.bfloat16, self._pin)
 
     def _pinned(self, numel: int) -> torch.Tensor:
-        view = self._arena.take(numel) if self._arena is not None else None
-        return view if view is not None else torch.empty(numel, dtype=torch.bfloat16, pin_memory=self._pin)
+        assert self._arena is not None, "prepare() was not called"
+        return self._arena.take(numel)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
         # Here every layer has a grad buffer of its own, so own_grads changes nothing.
