@@ -52,7 +52,7 @@ def gpu_seconds(fn: Callable[[], object], steps: int, warmup: int) -> float:
 def main() -> None:
     a = parse()
     model = build_model(a).cuda()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offload_ext.enable_activation_checkpointing(model)
     model.train()
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).cuda()
     decoder, head, top = model.get_decoder(), model.get_output_embeddings(), model.get_decoder().layers[-1]

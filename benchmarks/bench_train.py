@@ -28,6 +28,7 @@ import torch
 
 import _common
 import offload_ext
+from offload_ext import testing
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed", "native-mixed-g6",
          "native-mixed-sync", "native-mixed-d16"]
@@ -55,7 +56,7 @@ def parse() -> argparse.Namespace:
 def build_model(a: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig
 
-    from offload_ext.train import bf16_llama
+    from offload_ext.train_setup import bf16_llama
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
@@ -73,7 +74,7 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
     t0 = time.perf_counter()
     if mode == "resident":
         model.to("cuda")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        offload_ext.enable_activation_checkpointing(model)
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
@@ -88,9 +89,8 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
                                     compile_layers=a.compile, num_threads=threads[0] if threads else None,
                                     grad_slots=slots[0] if slots else None,
                                     device_layers=device_layers[0] if device_layers else 2,
-                                    async_step=False if "sync" in options else None)
-        if "whole" in options:
-            off._backend.engine.set_slice_elements(1 << 62)
+                                    async_step=False if "sync" in options else None,
+                                    slice_elements=1 << 62 if "whole" in options else None)
     torch.cuda.synchronize()
     setup = time.perf_counter() - t0
     model.train()
@@ -143,8 +143,8 @@ def time_mixed_kernel(off) -> float:
     """The A1 mixed kernel over this model's streamed layers, on the same buffers and thread count."""
     from offload_ext.backends.native import default_engine_threads
 
-    off._backend.settle()  # steps of the last backward may still run on these buffers
-    layers = [b for stack in off._stacks for b in stack.host]
+    testing.settle(off)  # steps of the last backward may still run on these buffers
+    layers = testing.host_buffers(off)
     offload_ext.set_num_threads(default_engine_threads(), pin=True)
 
     def once() -> None:

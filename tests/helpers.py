@@ -6,6 +6,8 @@ import copy
 import torch
 from torch import nn
 
+import offload_ext
+
 
 def tiny_llama(layers: int = 4, hidden: int = 64) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,9 +40,13 @@ def to_bf16_params(model: nn.Module) -> nn.Module:
 
 def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu",
                        micro_batches: int = 1, max_grad_norm: float | None = None, norms: list | None = None,
-                       exact_clip: bool = False):
+                       exact_clip: bool = False, fp32_norms: list | None = None, lr_lambda=None):
     """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"; with
-    micro_batches > 1, gradients accumulate in the params' .grad over that many batches per step."""
+    micro_batches > 1, gradients accumulate in the params' .grad over that many batches per step.
+    With max_grad_norm, `norms` collects each step's norm by the rule used (exact_clip: clip_grad_norm_'s
+    rule summed in float64; else torch's clip_grad_norm_ on the bf16 grads), and `fp32_norms` torch's own
+    total norm over fp32 copies of the same gradients, before clipping. `lr_lambda` drives a LambdaLR
+    schedule stepped after every optimizer step."""
     model = copy.deepcopy(base)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
     to_bf16_params(model).to(device)
@@ -50,7 +56,8 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
     else:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd,
                                 fused=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
+    offload_ext.enable_activation_checkpointing(model)
     losses = []
     for k, x in enumerate(data):
         x = x.to(device)
@@ -61,6 +68,8 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
             continue
         if max_grad_norm is not None:
             grads = [p.grad for p in model.parameters() if p.requires_grad]
+            if fp32_norms is not None:
+                fp32_norms.append(float(torch.nn.utils.get_total_norm([g.float() for g in grads])))
             if exact_clip:  # clip_grad_norm_'s rule with the norm summed in float64 (as the engine does)
                 norm = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
                 for g in grads:
@@ -80,12 +89,16 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
                     p.copy_(m)
         else:
             opt.step()
+        if schedule is not None:
+            schedule.step()
         model.zero_grad(set_to_none=True)
     return losses, model
 
 
-def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: list | None = None) -> list[float]:
-    """Train through an Offloader: off.grad_accum batches per step; norms collects off.last_grad_norm."""
+def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: list | None = None,
+                       schedule=None) -> list[float]:
+    """Train through an Offloader: off.grad_accum batches per step; norms collects off.last_grad_norm;
+    `schedule` (an LR scheduler over `off`) is stepped after every step."""
     losses = []
     for k, x in enumerate(data):
         x = x.to(device)
@@ -95,6 +108,8 @@ def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: 
         if k % off.grad_accum == off.grad_accum - 1:
             off.step()
             off.zero_grad()
+            if schedule is not None:
+                schedule.step()
             if norms is not None:
                 norms.append(off.last_grad_norm)
     return losses

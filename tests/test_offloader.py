@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import copy
-import time
+import threading
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import offload_ext
+from offload_ext import testing
 from conftest import bf16_ulp_distance
 from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama
 
@@ -114,10 +116,7 @@ def test_randomly_delayed_copies_change_nothing(backend) -> None:
     ref_losses, _ = _train(copy.deepcopy(base), backend, "bf16", steps=3)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend=backend, device="cpu")
-    if backend == "native":
-        off._backend.engine.set_debug_delay_us(3000)
-    else:
-        _delay_python_copies(off)
+    testing.delayed_copies(off, 3000)
     assert offloaded_training(off, model, batches(3)) == ref_losses
     off.close()
 
@@ -128,46 +127,18 @@ def test_a_grad_ring_smaller_than_the_stack_waits_for_each_slots_step() -> None:
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu",
                                 grad_slots=2)
-    off._backend.engine.set_debug_delay_us(2000)
+    testing.delayed_copies(off, 2000)
     assert offloaded_training(off, model, batches(3)) == ref_losses
     off.close()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_host_zeros_reads_zero_also_when_memory_is_reused() -> None:
-    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
-    first = engine.host_zeros(1000, torch.float32)
-    assert torch.count_nonzero(first) == 0
-    first.fill_(7.0)
-    del first
-    again = engine.host_zeros(1000, torch.float32)
-    assert torch.count_nonzero(again) == 0
-    assert engine.memory_stats()["host_in_use"] >= 4000
-
-
-def _delay_python_copies(off) -> None:
-    import random
-    import time
-
-    copies = off._backend._copies
-    original = copies.copy
-
-    def slow_copy(stream, dst, src):
-        def job():
-            time.sleep(random.uniform(0, 0.003))
-            dst.copy_(src)
-        return stream.submit(job)
-
-    copies.copy = slow_copy
-    assert original is not None
-
-
 @pytest.mark.parametrize("async_step", [True, False])
 def test_a_failed_host_step_surfaces_at_the_next_call(async_step) -> None:
     model = tiny_llama(layers=2)
     off = offload_ext.Offloader(model, backend="native", device="cpu", async_step=async_step)
-    off._backend.engine.inject_failure()
+    testing.fail_next_host_step(off)
     x = batches(1)[0]
     off.backward(model(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -181,8 +152,7 @@ def test_async_step_returns_early_and_each_layer_waits_for_its_own_step(precisio
     ref_losses, ref_model = reference_training(base, batches(4), precision, LR, WD)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu")
-    engine = off._backend.engine
-    engine.set_debug_step_delay_us(20_000)  # a host far slower than the device: steps outlast backward
+    testing.slow_host_steps(off, 20_000)  # a host far slower than the device: steps outlast backward
     pending_after_step = []
     losses = []
     for x in batches(4):
@@ -190,7 +160,7 @@ def test_async_step_returns_early_and_each_layer_waits_for_its_own_step(precisio
         off.backward(loss)
         losses.append(loss.item())
         off.step()
-        pending_after_step.append(sum(not engine.ready(u) for u in off._backend._units))
+        pending_after_step.append(len(testing.pending_units(off)))
         off.zero_grad()
     off.close()
     assert max(pending_after_step) > 0  # step() did return with layers still queued
@@ -202,84 +172,12 @@ def test_async_step_returns_early_and_each_layer_waits_for_its_own_step(precisio
 def test_synchronous_step_leaves_nothing_pending() -> None:
     model = tiny_llama(layers=3)
     off = offload_ext.Offloader(model, backend="native", device="cpu", async_step=False)
-    off._backend.engine.set_debug_step_delay_us(5_000)
+    testing.slow_host_steps(off, 5_000)
     x = batches(1)[0]
     off.backward(model(input_ids=x, labels=x).loss)
     off.step()
-    assert all(off._backend.engine.ready(u) for u in off._backend._units)
+    assert testing.pending_units(off) == []
     off.close()
-
-
-def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
-    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
-    units = []
-    for _ in range(4):
-        p, g, m, v = (engine.host_zeros(1024, torch.bfloat16) for _ in range(4))
-        units.append(engine.add_unit(p, g, m, v))
-    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
-    engine.set_debug_step_delay_us(50_000)
-    for u in (3, 2, 1, 0):  # gradients land top-down, as in backward; unit 3 starts at once
-        engine.notify(u)
-    engine.wait_unit(1)     # unit 1 jumps ahead of 0 and 2
-    assert engine.ready(1) and not engine.ready(2) and not engine.ready(0)
-    engine.wait_unit(0)     # then the lowest id: 0 before 2
-    assert not engine.ready(2)
-    engine.wait_all()
-    assert engine.stats()["wait_seconds"] > 0.1
-
-
-def _engine_units(engine, sizes, precision):
-    """Engine units over fresh random tensors (kept alive in the returned list)."""
-    state = torch.float32 if precision == "mixed" else torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    units, tensors = [], []
-    for n in sizes:
-        t = [torch.randn(n, generator=g).to(state), torch.randn(n, generator=g).to(torch.bfloat16),
-             torch.randn(n, generator=g).to(state), torch.rand(n, generator=g).to(state),
-             torch.empty(n, dtype=torch.bfloat16) if precision == "mixed" else None,
-             torch.randn(n, generator=g).to(torch.bfloat16)]
-        units.append(engine.add_unit(*t[:4], t[4], accum=t[5]))
-        tensors.append(t)
-    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
-    return units, tensors
-
-
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
-def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision) -> None:
-    results = []
-    for slice_elements in (None, 1000):  # 1000: slices end off the SIMD width, in the scalar tail
-        engine = offload_ext.ops.native().Engine(-1, 2, False, 1 << 20)
-        if slice_elements:
-            engine.set_slice_elements(slice_elements)
-        (u,), tensors = _engine_units(engine, [10_007], precision)
-        grad = tensors[0][1]
-        landing = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        # One job at a time: a landing copy must not overwrite the gradient a step still reads.
-        for submit in (lambda: engine.notify(u),                                   # step with the gradient
-                       lambda: engine.copy(1, grad, landing, notify_unit=u, job=1),  # accum = landed
-                       lambda: engine.copy(1, grad, landing, notify_unit=u, job=3),  # accum += it; step
-                       lambda: engine.run(u, 5, 0.5),                              # accum *= 0.5; step
-                       lambda: engine.run(u, 4, 1.0)):                             # norm (not sliced)
-            submit()
-            engine.wait_unit(u)
-        results.append([t for t in tensors[0] if t is not None] + [torch.tensor(engine.sq_norm(u))])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
-def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> None:
-    engine = offload_ext.ops.native().Engine(-1, 1, False, 1 << 20)
-    engine.set_slice_elements(1024)
-    (low, high), _ = _engine_units(engine, [1024, 8 * 1024], "bf16")
-    engine.set_debug_step_delay_us(20_000)  # every slice: 20 ms; the high unit has 8
-    engine.notify(high)                     # starts at once, as the top layer's gradients land first
-    time.sleep(0.05)
-    engine.notify(low)
-    engine.wait_unit(low)                   # taken after the high unit's current slice
-    assert not engine.ready(high)           # which still has slices left
-    engine.wait_all()
-    with pytest.raises(ValueError, match="slice"):
-        engine.set_slice_elements(0)
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
@@ -291,26 +189,24 @@ def test_device_layers_keep_the_last_forward_layers_for_their_recompute(backend)
         model = copy.deepcopy(base)
         off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="mixed", backend=backend,
                                     device="cpu", device_layers=device_layers)
-        loads = []
-        load = off._backend.load
-        off._backend.load = lambda index, layer, dst: loads.append(index) or load(index, layer, dst)
+        before = off.stats()["layer_copies_h2d"]  # layer 0, prefetched when the Offloader was built
         assert offloaded_training(off, model, batches(3)) == ref_losses
+        copies[device_layers] = (off.stats()["layer_copies_h2d"] - before) / 3
         off.close()
         for a, b in zip(model.parameters(), ref_model.parameters()):
             assert torch.equal(a, b)
-        copies[device_layers] = len(loads) / 3
     # Per step: 4 forward copies, plus a recompute copy for each layer not still on the device.
     assert copies == {2: 4 + 2, 3: 4 + 1, 4: 4}
 
 
 def test_python_backend_layer_buffers_are_disjoint_page_aligned_views_of_one_allocation() -> None:
     off = offload_ext.Offloader(tiny_llama(layers=3), backend="python", device="cpu", offload_all=True)
-    arena = off._backend._arena.tensor
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for stack in off._units() for b in stack.host
+    start, end = testing.pinned_arena_bounds(off)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for b in testing.host_buffers(off)
                    for t in (b.params, b.grads))
     assert len(spans) == 2 * 4  # three layers and the unit outside the stacks
     assert all(a % 4096 == 0 for a, _ in spans)
-    assert spans[0][0] >= arena.data_ptr() and spans[-1][1] <= arena.data_ptr() + arena.nbytes
+    assert spans[0][0] >= start and spans[-1][1] <= end
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
     off.close()
 
@@ -383,7 +279,7 @@ def test_unknown_precision_and_backend_are_refused() -> None:
 
 def test_hf_gradient_checkpointing_is_paused_while_attached_and_restored_on_close() -> None:
     model = tiny_llama(layers=2)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offload_ext.enable_activation_checkpointing(model)
     with offload_ext.Offloader(model, backend="native", device="cpu") as off:
         assert not model.model.layers[0].gradient_checkpointing  # the Offloader checkpoints each layer itself
         offloaded_training(off, model, batches(1))
@@ -398,7 +294,7 @@ def test_offload_all_steps_every_parameter_on_the_host_like_training_without_off
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend,
                                 device="cpu", offload_all=True)
-    assert off._outer_opt is None  # no device optimizer: the embeddings, norm and head are host-stepped
+    assert off.layout.device_params == ()  # no device optimizer: the embeddings, norm and head are host-stepped
     losses = offloaded_training(off, model, batches(4))
     off.close()
     for ours, ref in zip(losses, ref_losses):
@@ -416,8 +312,7 @@ def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precisio
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
                                 grad_accum=3, grad_slots=2)
-    if backend == "native":
-        off._backend.engine.set_debug_delay_us(1000)
+    testing.delayed_copies(off, 1000)
     losses = offloaded_training(off, model, data)
     off.close()
     assert losses == ref_losses
@@ -438,6 +333,7 @@ def _clipped_run(base, data, backend, precision) -> tuple[list[float], list[floa
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
                                 grad_accum=2, max_grad_norm=0.5, grad_slots=2)
+    testing.delayed_copies(off, 3000)  # the last gradient copies land after backward has returned
     norms: list[float] = []
     losses = offloaded_training(off, model, data, norms=norms)
     off.close()
@@ -450,15 +346,68 @@ def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend
     base, data = tiny_llama(layers=4), batches(8)
     losses, norms, model = _clipped_run(base, data, backend, precision)
     exact_norms: list[float] = []
+    fp32_norms: list[float] = []
     exact_losses, exact_model = reference_training(base, data, precision, LR, WD, micro_batches=2,
-                                                   max_grad_norm=0.5, norms=exact_norms, exact_clip=True)
+                                                   max_grad_norm=0.5, norms=exact_norms, exact_clip=True,
+                                                   fp32_norms=fp32_norms)
     assert min(exact_norms) > 0.5  # clipping was active on every step
     assert losses == exact_losses and norms == pytest.approx(exact_norms, rel=1e-12)
     for (name, a), b in zip(model.named_parameters(), exact_model.parameters()):
         assert torch.equal(a, b), name
-    # torch's own clip_grad_norm_ sums the norm in bf16: the same rule, to bf16 precision.
-    torch_norms: list[float] = []
-    torch_losses, _ = reference_training(base, data, precision, LR, WD, micro_batches=2, max_grad_norm=0.5,
-                                         norms=torch_norms)
-    assert norms == pytest.approx(torch_norms, rel=1e-2)
-    assert losses == pytest.approx(torch_losses, rel=1e-3)
+    # torch's own norm of the same gradients, taken over fp32 copies: per-tensor norms summed in fp32 over
+    # at most ~2^14 elements per tensor and 40 tensors. Pairwise/vectorised fp32 reduction errs by about
+    # log2(n) * 2^-24 ~ 1e-6 relative; 1e-5 leaves a tenfold margin. (torch's clip_grad_norm_ on the bf16
+    # grads themselves rounds each tensor's norm to bf16, 2^-9 relative, and the run it clips then drifts
+    # from this one: that comparison has no tolerance the arithmetic guarantees.)
+    assert norms == pytest.approx(fp32_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_lr_scheduler_drives_the_host_and_device_steps_like_torch_adamw(backend) -> None:
+    base = tiny_llama(layers=3)
+    decay = lambda step: 1.0 / (1 + step)  # noqa: E731
+    ref_losses, ref_model = reference_training(base, batches(4), "bf16", LR, WD, lr_lambda=decay)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend=backend, device="cpu")
+    schedule = torch.optim.lr_scheduler.LambdaLR(off, decay)
+    assert offloaded_training(off, model, batches(4), schedule=schedule) == ref_losses
+    assert off.param_groups[0]["lr"] == pytest.approx(LR / 5)
+    saved = off.state_dict()["param_groups"][0]
+    assert saved["lr"] == off.param_groups[0]["lr"] and saved["initial_lr"] == LR
+    off.close()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_copy_that_fails_to_enqueue_raises_and_leaves_nothing_waiting(backend) -> None:
+    model = tiny_llama(layers=4)
+    off = offload_ext.Offloader(model, backend=backend, device="cpu")
+    offloaded_training(off, model, batches(1))
+    x = batches(1)[0]
+    loss = model(input_ids=x, labels=x).loss
+    testing.fail_next_copy(off)  # the first copy of this backward: the top layer's gradients to the host
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        off.backward(loss)
+    finished = threading.Event()
+
+    def finish() -> None:
+        off.step()
+        off.close()  # waits for every host step the engine expects
+        finished.set()
+
+    worker = threading.Thread(target=finish, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert finished.is_set(), "step()/close() still waiting for a step whose copy never started"
+
+
+def test_building_an_offloader_raises_no_deprecation_warnings() -> None:
+    model = tiny_llama(layers=2)
+    offload_ext.enable_activation_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        off = offload_ext.Offloader(model, backend="native", device="cpu")
+        offloaded_training(off, model, batches(1))
+        off.close()

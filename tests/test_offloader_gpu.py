@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
 from torch import nn
 
 import offload_ext
+from offload_ext import testing
 from helpers import offloaded_training, reference_training
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -102,13 +102,11 @@ class TransferHeavy(nn.Module):
 def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_us: int = 0,
                           slice_elements: int | None = None, **kw) -> tuple[list[float], dict]:
     model = TransferHeavy()
-    off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda", **kw)
+    off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda", slice_elements=slice_elements, **kw)
     if delay:
-        _randomise_copy_timing(off)
+        testing.delayed_copies(off, 2000)
     if step_delay_us:
-        off._backend.engine.set_debug_step_delay_us(step_delay_us)
-    if slice_elements:
-        off._backend.engine.set_slice_elements(slice_elements)
+        testing.slow_host_steps(off, step_delay_us)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -122,20 +120,9 @@ def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_
     return losses, weights
 
 
-def _randomise_copy_timing(off) -> None:
-    backend = off._backend
-    if off.backend_name == "native":
-        backend.engine.set_debug_delay_us(2000)
-        return
-    copies = backend._copies
-    original = copies.copy
-
-    def delayed(stream, dst, src):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(random.randint(0, 2_000_000))  # cycles: up to ~1 ms
-        return original(stream, dst, src)
-
-    copies.copy = delayed
+def _assert_same_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    for name, w in expected.items():
+        assert torch.equal(w, weights[name]), name
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
@@ -143,8 +130,7 @@ def test_randomised_copy_timing_changes_nothing(backend) -> None:
     plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)
     losses, weights = _train_transfer_heavy(backend, delay=True)
     assert losses == plain_losses
-    for name, w in plain_weights.items():
-        assert torch.equal(w, weights[name]), name
+    _assert_same_weights(plain_weights, weights)
 
 
 def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() -> None:
@@ -152,8 +138,7 @@ def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() ->
     sync_losses, sync_weights = _train_transfer_heavy("native", delay=False, async_step=False)
     losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=10_000)
     assert losses == sync_losses
-    for name, w in sync_weights.items():
-        assert torch.equal(w, weights[name]), name
+    _assert_same_weights(sync_weights, weights)
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
@@ -161,8 +146,7 @@ def test_layers_kept_on_the_device_for_recompute_train_exactly_like_two_buffers(
     plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)
     losses, weights = _train_transfer_heavy(backend, delay=True, device_layers=8)
     assert losses == plain_losses
-    for name, w in plain_weights.items():
-        assert torch.equal(w, weights[name]), name
+    _assert_same_weights(plain_weights, weights)
 
 
 def test_host_steps_in_small_slices_on_a_slow_host_train_exactly_like_whole_steps() -> None:
@@ -170,8 +154,7 @@ def test_host_steps_in_small_slices_on_a_slow_host_train_exactly_like_whole_step
     # 1 ms per 100k-element slice: ~95 slices per layer, the lower layers cut in ahead of started ones.
     losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=1_000, slice_elements=100_000)
     assert losses == whole_losses
-    for name, w in whole_weights.items():
-        assert torch.equal(w, weights[name]), name
+    _assert_same_weights(whole_weights, weights)
 
 
 def test_checkpoint_recompute_gives_the_gpu_resident_gradients() -> None:
@@ -183,10 +166,11 @@ def test_checkpoint_recompute_gives_the_gpu_resident_gradients() -> None:
     off = offload_ext.Offloader(model, lr=0.0, backend="native", device="cuda")
     off.backward(model(x).float().pow(2).mean())
     off.step()
-    stack = off._stacks[0]
+    testing.settle(off)  # the gradient copies and host steps of this backward have finished
+    host = testing.host_buffers(off)
     for i, block in enumerate(ref.blocks):
         expected = torch.cat([block.fc.weight.grad.reshape(-1), block.fc.bias.grad.reshape(-1)]).cpu()
-        torch.testing.assert_close(stack.host[i].grads, expected, rtol=0, atol=0)
+        torch.testing.assert_close(host[i].grads, expected, rtol=0, atol=0)
     off.close()
 
 

@@ -149,3 +149,17 @@ def test_clipping_with_offload_logs_the_gradient_norm(tmp_path) -> None:
                                 *FAST]))
     rows = _metrics(out)
     assert all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_a_pretrained_model_directory_without_a_tokenizer_is_refused_with_the_fix(tmp_path, capsys) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = str(tmp_path / "model")
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", model_dir, "--pretrained", "--out", str(tmp_path / "run"), *FAST])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--model {model_dir}: the directory has no tokenizer" in err and "--tokenizer" in err

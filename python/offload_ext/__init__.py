@@ -5,6 +5,7 @@ from ._version import __version__
 from ._info import build_info
 from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
 from . import stacks
+from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss, lm_head_loss
 from .offloader import Offloader
 from .optim import CPUAdamW
@@ -19,6 +20,7 @@ __all__ = [
     "supported_simd_level",
     "CPUAdamW",
     "causal_lm_loss",
+    "enable_activation_checkpointing",
     "lm_head_loss",
     "Offloader",
 ]

@@ -1,0 +1,63 @@
+"""Device optimizer: the parameters outside the stacks, kept on the device and stepped there by
+torch's fused AdamW (on fp32 masters in "mixed"), with the Offloader's hyperparameters."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class DeviceOptimizer:
+    def __init__(self, params: tuple[nn.Parameter, ...], model: nn.Module, device: torch.device,
+                 precision: str, hyper: dict[str, Any]) -> None:
+        self.params = params
+        self.mixed = precision == "mixed"
+        self.trainable = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().to(device, torch.float32, copy=True) for p in self.trainable] if self.mixed else []
+        for p in params:
+            p.data = p.data.to(device, torch.bfloat16)
+        model.to(device)  # buffers; the streamed parameters are already device placeholders
+        stepped = self.masters if self.mixed else self.trainable
+        self.opt = torch.optim.AdamW(stepped, fused=True, **hyper) if stepped else None
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, hyper: dict[str, Any]) -> None:
+        if self.opt is None:
+            return
+        self.opt.param_groups[0].update(hyper)
+        if not self.mixed:
+            self.opt.step()
+            return
+        for p, m in zip(self.trainable, self.masters):
+            m.grad = p.grad.float() if p.grad is not None else None
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.trainable, self.masters):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies, not views: the state must not change when training goes on."""
+        return {
+            "params": [p.detach().to("cpu", copy=True) for p in self.params],
+            "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
+            "optimizer": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+            for m, saved in zip(self.masters, state["masters"]):
+                m.copy_(saved)
+        if self.opt is not None and state["optimizer"] is not None:
+            self.opt.load_state_dict(state["optimizer"])

@@ -1,0 +1,70 @@
+"""Device ring: one group's layer buffers on the device, which layer each holds, and binding to them.
+
+Layer i of a stack uses buffer i % len(buffers). A layer is bound (its parameters' .data made views of
+its buffer) only after the compute stream waits for the copy that filled the buffer, so no kernel can
+read a layer before it has landed, in forward and in checkpoint recompute alike.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .backends import Backend, LayerBuffers
+from .layout import Group
+
+
+class DeviceRing:
+    def __init__(self, group: Group, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
+        self.units = group.units
+        self.host = host            # per position: the unit's host buffers
+        self.backend = backend
+        largest = max(u.numel for u in self.units)
+        self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
+        self.holds: list[int | None] = [None] * buffers  # per buffer: the position whose weights it holds
+        self.filled: list[Any] = [None] * buffers        # per buffer: the copy that filled it
+        self.copies = 0                                   # host-to-device layer copies so far
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def _buffer_of(self, i: int) -> int:
+        return i % len(self.buffers)
+
+    def holds_layer(self, i: int) -> bool:
+        return self.holds[self._buffer_of(i)] == i
+
+    def load(self, i: int) -> None:
+        """Start copying position i's weights into its buffer (after the compute enqueued so far)."""
+        b = self._buffer_of(i)
+        dst = self.buffers[b][: self.host[i].params.numel()]
+        self.filled[b] = self.backend.load(self.units[i].index, self.host[i], dst)
+        self.holds[b] = i
+        self.copies += 1
+
+    def bind(self, i: int) -> None:
+        """Make position i resident and point its parameters at its buffer."""
+        b = self._buffer_of(i)
+        if self.holds[b] != i:
+            self.load(i)
+        self.backend.compute_wait(self.filled[b])
+        buf = self.buffers[b]
+        for s in self.units[i].spans:
+            s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+
+    def prefetch(self, i: int) -> None:
+        """Load position i ahead of its use, unless it is resident or its host step is still running (then
+        its own bind loads it, after the kernels before it were launched: waiting here would hold them back)."""
+        if 0 <= i < len(self) and not self.holds_layer(i) and self.backend.ready(self.units[i].index):
+            self.load(i)
+
+    def before_layer(self, i: int) -> None:
+        """Position i is about to run: bind it and prefetch the next one in this direction."""
+        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
+        self.bind(i)
+        self.prefetch(i - 1 if recompute else i + 1)
+
+    def restart(self) -> None:
+        """The host weights changed (a step or a load): every device copy is stale; prefetch position 0."""
+        self.holds = [None] * len(self.buffers)
+        self.prefetch(0)

@@ -1,0 +1,70 @@
+"""Streamed layers' forward: activation checkpointing around a hook that binds the layer first, no KV
+cache written, and HF's own checkpointing paused meanwhile (new method names first, old as fallback)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed layer must not write a KV cache: its recompute would append the same keys again
+    (and a training step has no use for the cache). HF's own checkpointing drops it the same way."""
+    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return kwargs
+    kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool) -> None:
+    """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a checkpointed forward
+    that calls `before` first, also in the recompute."""
+    inner = layer.forward
+    compiled = torch.compile(inner) if compile_layer else inner
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return compiled(*args, **kwargs)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            # Recompute is required: saved activations would point at buffers since refilled.
+            return checkpoint(run, *args, use_reentrant=False, **without_kv_cache(kwargs))
+        return run(*args, **kwargs)
+
+    layer.forward = forward
+
+
+def unwrap_layer(layer: nn.Module) -> None:
+    layer.__dict__.pop("forward", None)
+
+
+# Newer transformers name HF checkpointing `activation_checkpointing_*` and warn on the older
+# `gradient_checkpointing_*` names; older releases have only those.
+
+def hf_checkpointing_enabled(model: nn.Module) -> bool:
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """HF activation checkpointing (non-reentrant) on `model`, by whichever name its transformers has."""
+    if hasattr(type(model), "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def disable_activation_checkpointing(model: nn.Module) -> None:
+    if hasattr(type(model), "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()

@@ -1,0 +1,53 @@
+"""State: the Offloader's training state (host buffers, device optimizer, hyperparameters) saved and
+restored, and the model's weights read back by name from where they live."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backends import LayerBuffers
+from .layout import Layout
+
+_HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
+
+
+def host_state(host: list[LayerBuffers]) -> list[dict[str, torch.Tensor | None]]:
+    """Copies of every unit's host buffers, in unit order."""
+    return [{k: getattr(b, k).clone() if getattr(b, k) is not None else None for k in _HOST_KEYS} for b in host]
+
+
+def load_host_state(host: list[LayerBuffers], saved_units: list[dict[str, Any]]) -> None:
+    if len(saved_units) != len(host):
+        raise ValueError(f"Offloader: state has {len(saved_units)} layers, the model {len(host)}")
+    for b, saved in zip(host, saved_units):
+        for key in _HOST_KEYS:
+            dst = getattr(b, key)
+            if dst is None:
+                continue
+            if saved[key].shape != dst.shape:
+                raise ValueError(f"Offloader: saved {key} of shape {tuple(saved[key].shape)} does not fit "
+                                 f"{tuple(dst.shape)}: was the state made for another model?")
+            dst.copy_(saved[key])
+
+
+def check_state(state: dict[str, Any], precision: str) -> None:
+    if state["precision"] != precision:
+        raise ValueError(f"Offloader: state is for precision {state['precision']!r}, this Offloader uses "
+                         f"{precision!r}")
+
+
+def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> dict[str, torch.Tensor]:
+    """The model's weights by name as CPU tensors: streamed ones copied from the host buffers."""
+    streamed = {}
+    for unit in layout.units:
+        params = host[unit.index].params
+        for s in unit.spans:
+            streamed[id(s.param)] = params[s.offset:s.offset + s.numel].view(s.shape)
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().cpu()
+    for name, buf in model.named_buffers():
+        out[name] = buf.detach().cpu()
+    return out

@@ -1,0 +1,58 @@
+"""Step policy: when a unit may be stepped on the host.
+
+Plain: as its gradients land, during backward. Accumulation (grad_accum=N): the first N-1 backward
+calls only sum each unit's gradients on the host; the N-th steps each unit as its sum completes.
+Clipping: every unit's gradients are kept until the global norm over all parameters is known, then
+scaled and stepped.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backends import Backend
+
+
+class StepPolicy:
+    def __init__(self, grad_accum: int, max_grad_norm: float | None) -> None:
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.micro = 0  # backward() calls since the last step(); > 0: host steps may be pending
+        self.last_grad_norm: float | None = None
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether units sum their gradients in host accumulators rather than stepping straight from them."""
+        return self.grad_accum > 1 or self.max_grad_norm is not None
+
+    def begin_backward(self, backend: Backend) -> None:
+        if self.micro == self.grad_accum:
+            raise RuntimeError(f"Offloader: backward() called {self.micro + 1} times without step(), with "
+                               f"grad_accum={self.grad_accum}; call step() after every {self.grad_accum} "
+                               "backward() calls, or build the Offloader with a larger grad_accum")
+        self.micro += 1
+        steps_now = self.micro == self.grad_accum and self.max_grad_norm is None
+        backend.begin_micro(first=self.micro == 1, last=steps_now)
+
+    def check_step(self) -> None:
+        if self.micro == 0:
+            raise RuntimeError("Offloader: step() without a preceding backward()")
+        if self.micro != self.grad_accum:
+            raise RuntimeError(f"Offloader: step() after {self.micro} backward() calls, with grad_accum="
+                               f"{self.grad_accum}: every step sums exactly grad_accum micro-batches")
+
+    def finish_host_units(self, backend: Backend, device_grads: list[torch.Tensor]) -> None:
+        """After backward: with clipping, torch.nn.utils.clip_grad_norm_ over every parameter (the norm
+        summed in float64), then the host steps; otherwise the host steps are already under way."""
+        if self.max_grad_norm is None:
+            return
+        sq = backend.grad_sq_norm() + sum(float(g.double().pow(2).sum()) for g in device_grads)
+        self.last_grad_norm = math.sqrt(sq)
+        scale = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        backend.clipped_step(scale)
+        for g in device_grads:
+            g.mul_(scale)
+
+    def end_step(self) -> None:
+        self.micro = 0

@@ -1,0 +1,53 @@
+"""Testing aids: the public surface tests and benchmarks use to stress an Offloader (slow copies, a slow
+or failing host, failing copies) and to look at what it holds, without reaching into its parts.
+
+Each aid acts on the Offloader's backend through the backend interface, so it works the same on both
+backends where the backend can do it, and raises NotImplementedError naming the backend where not.
+"""
+from __future__ import annotations
+
+from .backends import LayerBuffers
+from .offloader import Offloader
+
+
+def delayed_copies(off: Offloader, max_us: int) -> None:
+    """From now on, stall each host<->device copy for a random 0..max_us microseconds first (0: off)."""
+    off._backend.set_copy_delay(int(max_us))
+
+
+def slow_host_steps(off: Offloader, us: int) -> None:
+    """From now on, each host step (each slice of one, on the native engine) sleeps `us` first, as a slow
+    host would (0: off)."""
+    off._backend.set_step_delay(int(us))
+
+
+def fail_next_host_step(off: Offloader) -> None:
+    """The next host step fails as a real kernel failure would ("injected failure")."""
+    off._backend.fail_next_step()
+
+
+def fail_next_copy(off: Offloader) -> None:
+    """The next copy to enqueue raises instead ("injected copy failure")."""
+    off._backend.fail_next_copy()
+
+
+def pending_units(off: Offloader) -> list[int]:
+    """Units (global index, forward order; see Offloader.layout) whose host step is not finished yet."""
+    return off._backend.pending_units()
+
+
+def host_buffers(off: Offloader) -> list[LayerBuffers]:
+    """Every unit's host buffers, by unit index. Read them only between steps (after settle())."""
+    return list(off._host)
+
+
+def settle(off: Offloader) -> None:
+    """Block until every host step has finished, as state_dict() does before reading the host buffers."""
+    off._settle()
+
+
+def pinned_arena_bounds(off: Offloader) -> tuple[int, int]:
+    """Start and end address of the python backend's one pinned allocation."""
+    if off.backend_name != "python":
+        raise NotImplementedError(f"pinned_arena_bounds: the {off.backend_name} backend has no single arena")
+    return off._backend.arena_bounds()

@@ -1,0 +1,149 @@
+"""offload-train's inputs: the device, the built-in model configs, the model, tokenizer and token stream."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import data as data_mod
+from .losses import resolve_loss_backend
+
+BUILTIN = {
+    # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab, model vocab or None)
+    "tiny": (64, 4, 4, 2, 176, True, 1024, None),
+    "small": (512, 8, 8, 4, 1408, True, 4096, None),
+    # Llama-3.2-1B's shape, its 128256-entry embedding included (the embedded tokenizer uses 8192 of them).
+    "llama-1b": (2048, 16, 32, 8, 8192, True, 8192, 128256),
+}
+
+
+
+class UsageError(Exception):
+    """Bad input: printed without a traceback, with the fix."""
+
+
+
+def resolve_device(args: argparse.Namespace) -> tuple[torch.device, bool]:
+    """(device, simulated)."""
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
+    if args.device == "cpu-sim":
+        return torch.device("cpu"), True
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu or cpu-sim")
+    return dev, False
+
+
+def apply_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
+    if args.model == "auto":
+        args.model = "small" if on_gpu else "tiny"
+    for name, gpu, cpu in (("batch_size", 8, 4), ("seq_len", 512, 64), ("steps", 200, 60)):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if on_gpu else cpu)
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.steps // 20)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _load_tokenizer(name: str, from_flag: str) -> Any:
+    """AutoTokenizer.from_pretrained(name), with the fix named when `name` holds no tokenizer."""
+    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        raise UsageError(f"{from_flag} {name}: the directory has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                         "pass one with --tokenizer NAME_OR_DIR")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{from_flag} {name}: could not load a tokenizer from it ({first}); pass a working one with "
+                         "--tokenizer NAME_OR_DIR") from exc
+
+
+def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
+    """(encode, eos_id, vocab_size, tokenizer to save with checkpoints)."""
+    name = args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+    if name:
+        tok = _load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model")
+        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        return (lambda t: tok(t, add_special_tokens=False)["input_ids"]), eos, len(tok), tok
+    if texts is None:
+        raise UsageError("--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)")
+    vocab = BUILTIN.get(args.model, BUILTIN["small"])[6]
+    tok = data_mod.train_tokenizer(texts, vocab, os.path.join(args.out, "tokenizer.json"))
+    return (lambda t: tok.encode(t).ids), tok.token_to_id("<|endoftext|>"), tok.get_vocab_size(), tok
+
+
+def bf16_llama(cfg: Any) -> torch.nn.Module:
+    """A random-init LlamaForCausalLM whose parameters are born bf16, the dtype it trains in: no fp32
+    copy of the model is ever made."""
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(args.seed)
+    if args.model in BUILTIN:
+        if args.pretrained:
+            raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch")
+        hidden, layers, heads, kv, inter, tied, _, model_vocab = BUILTIN[args.model]
+        cfg = LlamaConfig(vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                          tie_word_embeddings=tied, max_position_embeddings=max(2048, args.seq_len),
+                          rope_theta=500000.0, use_cache=False)
+        return bf16_llama(cfg)
+    try:
+        cfg = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {args.model!r} is not a built-in config ({', '.join(BUILTIN)}), a local model "
+                         f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+    if args.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+        if model.config.vocab_size < vocab_size:
+            raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {model.config.vocab_size}; "
+                             "use the model's own tokenizer (--tokenizer)")
+        return model
+    cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int]:
+    texts = None
+    if args.dataset == data_mod.EMBEDDED:
+        texts = data_mod.stdlib_corpus(max_bytes=(8 << 20) if args.model != "tiny" else (2 << 20))
+    encode, eos, vocab, tok = build_tokenizer(args, texts)
+    if texts is not None:
+        cache = os.path.join(args.out, f"corpus_{vocab}.npy")
+        if os.path.exists(cache):
+            tokens = np.load(cache)
+        else:
+            tokens = np.concatenate([np.asarray(encode(t) + [eos], dtype=np.int32) for t in texts])
+            np.save(cache, tokens)
+        return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, tokens=tokens), tok, vocab
+    data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # validates the field now
+    docs = lambda: data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # noqa: E731
+    return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, documents=docs, encode=encode,
+                                eos_id=eos), tok, vocab
+
+
+def check_loss_args(args: argparse.Namespace, device: torch.device) -> None:
+    if args.loss_chunk_tokens < 1:
+        raise UsageError(f"--loss-chunk-tokens must be at least 1, got {args.loss_chunk_tokens}")
+    try:
+        resolve_loss_backend(args.loss_backend, device)
+    except RuntimeError as exc:
+        raise UsageError(f"--loss-backend {args.loss_backend}: {exc}") from exc

@@ -1,0 +1,169 @@
+"""offload-train's training run: the offloaded step (Offloader) or the plain one (a device optimizer),
+driven by one LR schedule, and checkpoints that resume exactly."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import data as data_mod
+from .layers import enable_activation_checkpointing
+from .losses import causal_lm_loss
+from .train_setup import UsageError
+
+
+def lr_factor(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up to --lr, then cosine decay to 10 % of it at --steps (a multiple of --lr)."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """One training run: the offloaded path (Offloader) or the plain one (device optimizer)."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool):
+        self.args, self.model, self.device = args, model, device
+        self.off = None
+        self.opt = None
+        self.last_grad_norm: float | None = None
+        if args.backend != "none":
+            self._check_offload_supported()
+            from .offloader import Offloader
+
+            self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
+                                 backend=args.backend, device=device, compile_layers=args.compile,
+                                 offload_all=args.offload_all, grad_accum=args.grad_accum,
+                                 max_grad_norm=args.max_grad_norm)
+        else:
+            self._plain_setup(simulated)
+        self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(args, step))
+
+    def _check_offload_supported(self) -> None:
+        a = self.args
+        if a.device == "cpu":
+            raise UsageError("--device cpu trains without offload (--backend none); use --device cpu-sim to run the "
+                             "offload engine on the simulated device")
+        if not a.checkpointing:
+            raise UsageError("--no-activation-checkpointing: the offload engine needs activation checkpointing "
+                             "(saved activations would point at refilled layer buffers); use --backend none")
+
+    def _plain_setup(self, simulated: bool) -> None:
+        a, model = self.args, self.model
+        if simulated:
+            raise UsageError("--device cpu-sim runs the offload engine: pick --backend native or python")
+        if a.offload_all:
+            raise UsageError("--offload-all needs an offload backend (--backend native or python)")
+        for p in model.parameters():
+            p.data = p.data.to(self.device, torch.bfloat16)
+        model.to(self.device)
+        if a.checkpointing:
+            enable_activation_checkpointing(model)
+        if a.compile:
+            for layer in model.model.layers:
+                layer.compile()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.device.type == "cuda" and a.precision == "mixed":
+            raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
+                             "use --backend native, or --precision bf16 with --backend none")
+        if self.device.type == "cuda":
+            self.opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=True)
+        else:
+            from .optim import CPUAdamW
+
+            print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
+            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed")
+
+    def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None]) -> float:
+        """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss."""
+        a = self.args
+        total = 0.0
+        for _ in range(a.grad_accum):
+            batch = stream.next_batch().to(self.device)
+            loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
+            loss = loss / a.grad_accum
+            backward(loss)
+            total += loss.item()
+        return total
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the coming step (set by the schedule)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train_step(self, stream: data_mod.TokenStream) -> float:
+        a = self.args
+        if self.off is not None:
+            total = self._micro_batches(stream, self.off.backward)
+            self.off.step()
+            self.last_grad_norm = self.off.last_grad_norm
+        else:
+            total = self._micro_batches(stream, torch.Tensor.backward)
+            if a.max_grad_norm is not None:
+                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm))
+            self.opt.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.off is not None:
+            return self.off.model_state_dict()
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> None:
+        ckpt = os.path.join(self.args.out, "checkpoint")
+        os.makedirs(ckpt, exist_ok=True)
+        weights = self.weights()
+        # save_pretrained consumes the dict it is given; the trainer state keeps its own.
+        self.model.save_pretrained(ckpt, state_dict=dict(weights), safe_serialization=True)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(ckpt)
+        else:
+            tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
+        state = {
+            "step": step,
+            "data": stream.state(),
+            "engine": self.off.state_dict() if self.off is not None else None,
+            "optimizer": self.opt.state_dict() if self.opt is not None else None,
+            "schedule": self.schedule.state_dict(),
+            "model": weights if self.off is None else None,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "args": vars(self.args),
+        }
+        tmp = os.path.join(ckpt, "trainer_state.pt.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, os.path.join(ckpt, "trainer_state.pt"))  # a crash mid-save keeps the old state
+
+    def load(self, stream: data_mod.TokenStream) -> int:
+        path = os.path.join(self.args.out, "checkpoint", "trainer_state.pt")
+        if not os.path.exists(path):
+            raise UsageError(f"--resume: no checkpoint at {path}; run without --resume first")
+        state = torch.load(path, weights_only=False)
+        for key in ("backend", "precision", "model", "batch_size", "seq_len"):
+            if state["args"][key] != getattr(self.args, key):
+                raise UsageError(f"--resume: the checkpoint was made with --{key.replace('_', '-')} "
+                                 f"{state['args'][key]}, this run has {getattr(self.args, key)}")
+        if self.off is not None:
+            self.off.load_state_dict(state["engine"])
+        else:
+            self.model.load_state_dict({k: v.to(self.device) for k, v in state["model"].items()}, strict=False)
+            self.opt.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        stream.restore(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        return int(state["step"])
