@@ -8,13 +8,17 @@ import platform
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(BENCH_DIR)
+# Raw runs: one directory per run, results/<YYYY-MM-DD>_<commit>/ (see results/README.md).
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 
 
 def _cpu_model() -> str:
@@ -63,19 +67,60 @@ def median_seconds(fn: Callable[[], None], steps: int, warmup: int, sync: Callab
     return statistics.median(times)
 
 
+def git_commit(repo: str | None = None) -> str:
+    """`git rev-parse --short HEAD` of the checkout the benchmarks run from, with "-dirty" when tracked files
+    have uncommitted changes; "unknown" when git is missing or this is not a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo or REPO_DIR, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo or REPO_DIR,
+                               capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not head:
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
+def run_dir(commit: str, date: _dt.datetime, root: str | None = None) -> str:
+    """benchmarks/results/<YYYY-MM-DD>_<commit>: the directory of one run (UTC date)."""
+    return os.path.join(root or RESULTS_DIR, f"{date.astimezone(_dt.timezone.utc):%Y-%m-%d}_{commit}")
+
+
+def _free_stem(stem: str, dirs: list[str], exts: tuple[str, ...]) -> str:
+    """stem, or stem-2, stem-3, ...: the first for which no <stem>.<ext> exists in any of dirs."""
+    candidate, n = stem, 1
+    while any(os.path.exists(os.path.join(d, f"{candidate}.{ext}")) for d in dirs for ext in exts):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
 def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: str | None = None) -> list[str]:
-    """Write <stem>.json and <stem>.md (results dir, and $OUT when set); returns the paths."""
-    payload = {"command": command_line(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), **payload}
-    header = (f"Command: `{payload['command']}`  \nDate: {payload['date']}  \n"
-              f"Machine: {json.dumps(payload['machine'])}\n\n")
-    dirs = [out_dir or RESULTS_DIR] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
-    paths = []
+    """Write <stem>.json and <stem>.md into this run's directory, benchmarks/results/<date>_<commit>/ (or
+    out_dir when given), and into $OUT when set; returns the paths.
+
+    Both files carry the command, commit (`git rev-parse --short HEAD`, "-dirty" if tracked files changed),
+    UTC date, torch version and machine. Nothing is overwritten: when <stem>.json or <stem>.md exists in
+    any target directory, the files are written as <stem>-2, <stem>-3, ... instead.
+    """
+    now = _dt.datetime.now(_dt.timezone.utc)
+    machine = machine_info()
+    payload = {"command": command_line(), "commit": git_commit(), "date": now.isoformat(timespec="seconds"),
+               "torch": machine["torch"], "machine": machine, **payload}
+    header = (f"Command: `{payload['command']}`  \nCommit: {payload['commit']}  \nDate: {payload['date']}  \n"
+              f"Torch: {payload['torch']}  \nMachine: {json.dumps(payload['machine'])}\n\n")
+    dirs = [out_dir or run_dir(payload["commit"], now)] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
+    dirs = list(dict.fromkeys(os.path.abspath(d) for d in dirs))  # $OUT may be the run directory itself
+    files = (("json", json.dumps(payload, indent=2)), ("md", header + markdown))
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-        for ext, text in (("json", json.dumps(payload, indent=2)), ("md", header + markdown)):
-            path = os.path.join(d, f"{stem}.{ext}")
-            with open(path, "w") as f:
+    name = _free_stem(stem, dirs, tuple(ext for ext, _ in files))
+    paths = []
+    for d in dirs:
+        for ext, text in files:
+            path = os.path.join(d, f"{name}.{ext}")
+            with open(path, "x") as f:  # "x": fail rather than overwrite, should the name be taken meanwhile
                 f.write(text + "\n")
             paths.append(path)
     return paths

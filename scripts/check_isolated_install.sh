@@ -8,6 +8,7 @@ cache=$(mktemp -d)
 trap 'rm -rf "$target" "$cache"' EXIT
 pip install -q --no-deps --target "$target" .
 test ! -e "$target"/offload_ext/_C*.so || { echo "isolated build unexpectedly compiled the extension"; exit 1; }
+compgen -G "$target/offload_ext-*.dist-info/licenses/LICENSE" >/dev/null || { echo "the wheel lacks LICENSE"; exit 1; }
 run() {
   (cd "$target" && unset OFFLOAD_EXT_FORCE_CUDA && OFFLOAD_EXT_FORCE_CPU=1 TORCH_EXTENSIONS_DIR="$cache" PYTHONPATH="$target" python - <<'PY'
 import torch, offload_ext
