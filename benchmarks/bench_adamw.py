@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-import _common  # noqa: E402  (sets nothing global; imports torch)
+import _common
 
 
 def _parse() -> argparse.Namespace:
@@ -235,7 +235,7 @@ def main() -> None:
             rows.append({"name": name, "kind": kind, "error": f"{type(exc).__name__}: {exc}"[:500]})
             return
         finally:
-            fn = None  # noqa: F841  (free the buffers before the next workload)
+            fn = None
         gps = total / sec / 1e9
         row = {"name": name, "kind": kind, "seconds": sec, "gparams_per_s": gps, "gb_per_s": gps * BYTES[kind]}
         rows.append(row)

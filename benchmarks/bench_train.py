@@ -31,8 +31,8 @@ import _common
 import offload_ext
 from offload_ext import testing
 
-MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed", "native-mixed-g6",
-         "native-mixed-sync", "native-mixed-d16"]
+MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
+         "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
 
 
 def parse() -> argparse.Namespace:

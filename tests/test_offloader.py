@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import offload_ext
-from offload_ext import testing
 from conftest import bf16_ulp_distance
 from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama
+from offload_ext import testing
 
 LR, WD = 1e-2, 0.1
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import offload_ext
-from offload_ext import testing
 from helpers import offloaded_training, reference_training
+from offload_ext import testing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

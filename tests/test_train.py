@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from offload_ext import train
 

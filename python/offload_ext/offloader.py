@@ -224,7 +224,8 @@ class Offloader(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, Any]:
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
-        return {"step": self._step, "last_step_wait_s": self.last_step_wait, "host_wait_s": self._backend.wait_seconds(),
+        return {"step": self._step, "last_step_wait_s": self.last_step_wait,
+                "host_wait_s": self._backend.wait_seconds(),
                 "layer_copies_h2d": sum(r.copies for r in self._rings), **setup, **self._backend.stats()}
 
     def close(self) -> None:

@@ -110,7 +110,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {args.model!r} is not a built-in config ({', '.join(BUILTIN)}), a local model "
-                         f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+                         f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+                         ) from exc
     if args.pretrained:
         model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
         if model.config.vocab_size < vocab_size:
