@@ -2,7 +2,8 @@
 step at which each curve leaves the first one by more than --tol. Rounding differences (another
 cross-entropy kernel, another chunking) grow over a run; this shows how far.
 
-    python benchmarks/compare_curves.py --stem loss_curves_default benchmarks/results/loss_curve_*.jsonl
+    python benchmarks/compare_curves.py --stem loss_curves_default \
+        benchmarks/results/2026-11-29_b30d77f/loss_curve_*.jsonl
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
-# (default: build test adamw train).
+# sanitize (default: build test adamw train).
 #   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
 # files written after it in the same call do not come back.
@@ -22,6 +22,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure, remembe
   local t0=$SECONDS
   "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
+  last_rc=$rc
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
 }
@@ -35,6 +36,38 @@ if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
     .whl/deepspeed-*.tar.gz > "$OUT/deepspeed_install.log" 2>&1 || echo "DeepSpeed install failed (see log)"
   export PYTHONPATH=/tmp/site
 fi
+
+# sanitize: scripts/sanitize_train.py (3 native steps of a tiny Llama: bf16 and mixed with clipping and grad_accum=2,
+# and bf16 plain) under compute-sanitizer's memcheck, racecheck and synccheck, each capped at $SANITIZE_TIMEOUT s
+# (SANITIZE_ARGS: the script's arguments, e.g. "bf16-plain --steps 1"). Logs: $OUT/sanitize_<tool>.log; one line per
+# tool in $OUT/sanitize_summary.txt. CUDA API errors are not reported (--report-api-errors no): torch and cuBLASLt
+# probe with calls that fail by design, and the extension checks the return codes of its own. memcheck runs with
+# torch's caching allocator off, so that each tensor is its own allocation and a read past its end is out of bounds.
+SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150}
+sanitize_summary() {  # sanitize_summary TOOL RC: "TOOL: N errors", "timed out" or "no summary"; fails unless clean
+  local tool=$1 rc=$2 log="$OUT/sanitize_$1.log" pat='ERROR SUMMARY: [0-9]+ error' n
+  # racecheck sums up as "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)": E counts
+  grep -q 'RACECHECK SUMMARY:' "$log" && pat='RACECHECK SUMMARY: .*\([0-9]+ error'
+  n=$(grep -E "$pat" "$log" | sed -E 's/.*[( ]([0-9]+) error.*/\1/' | awk '{ s += $1 } END { if (NR) print s }')
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "$tool: timed out after ${SANITIZE_TIMEOUT} s"; return 1; fi
+  if [ -z "$n" ]; then echo "$tool: no summary (exit $rc)"; return 1; fi
+  echo "$tool: $n errors (exit $rc)"
+  [ "$n" -eq 0 ] && [ "$rc" -eq 0 ]
+}
+sanitize() {
+  local tool pre
+  : > "$OUT/sanitize_summary.txt"
+  for tool in memcheck racecheck synccheck; do
+    pre=(env)
+    [ "$tool" = memcheck ] && pre+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    # shellcheck disable=SC2086  # SANITIZE_ARGS: words
+    run "sanitize_$tool" "${pre[@]}" timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" \
+      --error-exitcode 1 --print-limit 20 --target-processes all --report-api-errors no \
+      python3 scripts/sanitize_train.py ${SANITIZE_ARGS:-}
+    sanitize_summary "$tool" "$last_rc" | tee -a "$OUT/sanitize_summary.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+}
 
 for step in "${steps[@]}"; do
   case "$step" in
@@ -62,7 +95,8 @@ for step in "${steps[@]}"; do
         "$OUT"/metrics_loss_{torch-2048,torch-4096,native-2048,native-4096}.jsonl ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
-    train) run train python3 benchmarks/bench_train.py --modes resident,python-bf16,native-bf16,native-mixed,native-mixed-d16 ;;
+    train)  # TRAIN_MODES: a shorter list when device time is short
+      run train python3 benchmarks/bench_train.py --modes "${TRAIN_MODES:-resident,python-bf16,native-bf16,native-mixed,native-mixed-d16}" ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
@@ -70,12 +104,13 @@ for step in "${steps[@]}"; do
     gap) run gap python3 benchmarks/bench_gap.py ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
+    sanitize) sanitize ;;  # compute-sanitizer over a few training steps (see sanitize() above)
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
 # Only a few files come back from the device machine: everything under $OUT (and the result files the
 # benchmarks wrote) also goes into one archive.
-mkdir -p "$OUT/results" && find benchmarks/results -type f -newer "$OUT/.start" -exec cp {} "$OUT/results/" \;
+find benchmarks/results -type f -newer "$OUT/.start" -exec cp --parents {} "$OUT/" \;  # keeps <date>_<commit>/
 tar -czf /tmp/offload_ext_results.tgz -C "$OUT" . && mv /tmp/offload_ext_results.tgz "$OUT/all_results.tgz"
 exit $status

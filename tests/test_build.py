@@ -28,8 +28,7 @@ def test_cuda_parts_were_compiled() -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"offload_ext::{op}", "CUDA"), op
 
 
-def test_default_thread_count_leaves_a_core_free() -> None:
-    from offload_ext._ext import native
-
-    usable = len(os.sched_getaffinity(0))
-    assert native().default_num_threads() == max(1, usable - 1)
+def test_standalone_kernels_use_every_usable_cpu_by_default() -> None:
+    usable = offload_ext.ops.usable_cpu_count()
+    assert usable == len(os.sched_getaffinity(0))
+    assert offload_ext.ops.default_num_threads() == usable

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload_ext
-from offload_ext import losses
 from helpers import batches, tiny_llama
+from offload_ext import losses, ops
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
@@ -41,7 +41,7 @@ def test_row_kernels_match_cross_entropy_on_fp32_logits(device: str, dtype: torc
     labels[[3, 20]] = losses.IGNORE_INDEX
     weights = torch.rand(37, generator=gen).to(device)
     mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    loss = losses._RowCrossEntropy.apply(mine, labels, False)
+    loss, _ = ops.cross_entropy_rows(mine, labels, losses.IGNORE_INDEX)
     expected = F.cross_entropy(ref.float(), labels, reduction="none")
     (loss * weights).sum().backward()
     (expected * weights).sum().backward()
@@ -56,9 +56,24 @@ def test_row_kernels_match_cross_entropy_on_fp32_logits(device: str, dtype: torc
 def test_overwriting_backward_fails_loudly_when_the_logits_are_needed_again() -> None:
     logits = torch.randn(4, 10, requires_grad=True)
     probs = logits.exp()  # exp's backward needs its output: the tensor the loss would overwrite
-    loss = losses._RowCrossEntropy.apply(probs, torch.tensor([1, 2, 3, 4]), True).sum()
+    loss = ops.cross_entropy_rows(probs, torch.tensor([1, 2, 3, 4]), overwrite=True)[0].sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("head", [nn.Linear(16, 50, bias=False), nn.Sequential(nn.Linear(16, 50, bias=False))],
+                         ids=["linear", "wrapped-linear"])
+def test_the_logits_gradient_overwrites_the_logits_only_behind_a_plain_linear_head(head: nn.Module) -> None:
+    grads_at = []
+
+    def record(module: nn.Module, args: tuple, logits: torch.Tensor) -> None:
+        logits.register_hook(lambda g: grads_at.append((g.data_ptr(), logits.data_ptr())))
+
+    (head if isinstance(head, nn.Linear) else head[0]).register_forward_hook(record)
+    hidden = torch.randn(1, 9, 16, requires_grad=True)
+    offload_ext.lm_head_loss(head, hidden, torch.randint(0, 50, (1, 9)), backend="native").backward()
+    (grad_ptr, logits_ptr), = grads_at
+    assert (grad_ptr == logits_ptr) == isinstance(head, nn.Linear)
 
 
 def test_only_chunks_before_the_last_are_recomputed_in_backward() -> None:

@@ -15,36 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _ext
+from . import _ext, ops
 
 IGNORE_INDEX = -100
 BACKENDS = ("auto", "native", "torch")
-
-
-class _RowCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy (fp32) of [rows, vocab] logits through the native kernels.
-
-    With `overwrite`, the backward writes the logits' gradient over the saved logits instead of new
-    memory: only safe when nothing else saved them (the output of a plain nn.Linear).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, overwrite: bool) -> torch.Tensor:
-        loss, lse = torch.ops.offload_ext.cross_entropy_rows(logits, labels, IGNORE_INDEX)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.overwrite = overwrite
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, labels, lse = ctx.saved_tensors
-        out = logits if ctx.overwrite else torch.empty_like(logits)
-        torch.ops.offload_ext.cross_entropy_rows_backward(logits, lse, labels, grad.float().contiguous(),
-                                                          IGNORE_INDEX, out)
-        if ctx.overwrite:
-            # A second backward through this graph must fail loudly, not read gradients as logits.
-            torch.autograd.graph.increment_version(logits)
-        return out, None, None
 
 
 def _native_kernels_for(device: torch.device) -> bool:
@@ -67,8 +41,9 @@ def resolve_loss_backend(backend: str, device: torch.device) -> str:
 
 
 def _native_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
-    return _RowCrossEntropy.apply(logits.contiguous(), labels, type(head) is nn.Linear).sum()
+    # A plain nn.Linear saves its input and weight, not its output: the logits' gradient may overwrite them.
+    loss, _ = ops.cross_entropy_rows(head(hidden).contiguous(), labels, IGNORE_INDEX, overwrite=type(head) is nn.Linear)
+    return loss.sum()
 
 
 def _torch_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,25 @@
-"""Typed Python wrappers over the native ops (torch.ops.offload_ext.*) and settings."""
+"""Typed Python wrappers over the native ops (torch.ops.offload_ext.*) and settings; the ops' fake
+(meta) kernels and the cross-entropy's autograd formula, registered as soon as the extension has loaded.
+
+The native classes are reached here too: `ops.Engine`, `ops.Event`, `ops.Direction`, `ops.Job` (the
+Engine's copy streams and job kinds); reaching one without the extension raises the build failure and fix.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
+from . import _ext
 from ._ext import native
+
+_NATIVE_CLASSES = ("Engine", "Event", "Direction", "Job")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NATIVE_CLASSES:
+        return getattr(native(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def adamw_step(
@@ -33,6 +49,29 @@ def adamw_step(
     )
 
 
+def cross_entropy_rows(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, overwrite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy of [rows, vocab] logits (any float dtype, math in fp32): (loss, lse), both
+    float32 [rows]; a row labelled ignore_index has loss 0. Differentiable in the logits (not via lse).
+
+    With `overwrite`, the backward writes the logits' gradient over the logits instead of new memory and
+    bumps their version, so anything else that saved them fails loudly: only for logits nothing else saved
+    (the output of a plain nn.Linear).
+    """
+    native()
+    return torch.ops.offload_ext.cross_entropy_rows(logits, labels, int(ignore_index), bool(overwrite))
+
+
+def cross_entropy_rows_backward(
+    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor, grad_logits: torch.Tensor,
+    ignore_index: int = -100,
+) -> None:
+    """grad_logits = d(sum_r grad[r] * loss[r]) / d logits, in the logits' dtype; grad_logits may be logits."""
+    native()
+    torch.ops.offload_ext.cross_entropy_rows_backward(logits, lse, labels, grad, int(ignore_index), grad_logits)
+
+
 def set_num_threads(num_threads: int, pin: bool = False) -> None:
     """Size the kernels' thread pool (the caller counts as one); `pin` keeps the lowest CPU free."""
     native().set_num_threads(int(num_threads), bool(pin))
@@ -42,6 +81,17 @@ def get_num_threads() -> int:
     return native().get_num_threads()
 
 
+def default_num_threads() -> int:
+    """The kernel pool's size until set_num_threads: every usable CPU (a standalone optimizer drives no GPU;
+    the Offloader's engine has its own pool and leaves cores for the threads that do)."""
+    return native().default_num_threads()
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask), counted as the thread pools count them."""
+    return native().usable_cpu_count()
+
+
 def set_simd_level(level: str) -> None:
     """Choose the kernels' ISA: "scalar", "avx2" or "avx512" (at most what this CPU supports)."""
     native().set_simd_level(level)
@@ -49,3 +99,58 @@ def set_simd_level(level: str) -> None:
 
 def supported_simd_level() -> str:
     return native().supported_simd_level()
+
+
+def _same_numel(who: str, param: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None:
+            torch._check(t.numel() == param.numel(),
+                         lambda: f"{who}: expected {name} to have as many elements as param")
+
+
+def _register_fakes_and_autograd() -> None:
+    """Fake kernels (shapes and dtypes only, for FakeTensor, torch.compile and export) and the autograd
+    formula of cross_entropy_rows. Registered from this module: the C++ library names it (set_python_module)."""
+
+    @torch.library.register_fake("offload_ext::adamw_step")
+    def _adamw_step_fake(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         param_out: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
+                         weight_decay: float, step: int) -> None:
+        _same_numel("adamw_step", param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out)
+
+    @torch.library.register_fake("offload_ext::cross_entropy_rows")
+    def _cross_entropy_rows_fake(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                                 overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._check(logits.dim() == 2, lambda: "cross_entropy_rows: expected logits of shape [rows, vocab]")
+        torch._check(labels.shape == logits.shape[:1], lambda: "cross_entropy_rows: expected one label per row")
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
+
+    @torch.library.register_fake("offload_ext::cross_entropy_rows_backward")
+    def _cross_entropy_rows_backward_fake(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor,
+                                          grad: torch.Tensor, ignore_index: int, grad_logits: torch.Tensor) -> None:
+        torch._check(grad_logits.shape == logits.shape,
+                     lambda: "cross_entropy_rows_backward: expected grad_logits shaped like logits")
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        logits, labels, ignore_index, overwrite = inputs
+        lse = output[1]
+        ctx.mark_non_differentiable(lse)  # the backward kernel gives d loss / d logits only
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.ignore_index, ctx.overwrite = ignore_index, overwrite
+
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, labels, lse = ctx.saved_tensors
+        grad_logits = logits if ctx.overwrite else torch.empty_like(logits)
+        torch.ops.offload_ext.cross_entropy_rows_backward(logits, lse, labels, grad_loss.float().contiguous(),
+                                                          ctx.ignore_index, grad_logits)
+        if ctx.overwrite:
+            # A second backward through this graph must fail loudly, not read gradients as logits.
+            torch.autograd.graph.increment_version(logits)
+        return grad_logits, None, None, None
+
+    torch.library.register_autograd("offload_ext::cross_entropy_rows", backward, setup_context=setup_context)
+
+
+if _ext.available():
+    _register_fakes_and_autograd()

@@ -112,5 +112,28 @@ class Backend(ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    # Testing aids (offload_ext.testing): timing and failures a test cannot otherwise bring about.
+    # A backend that cannot provide one raises NotImplementedError saying why.
+
+    def set_copy_delay(self, max_us: int) -> None:
+        """Before each copy, stall it a random 0..max_us microseconds (0 turns it off)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delay its copies")
+
+    def set_step_delay(self, us: int) -> None:
+        """Each slice of a host step sleeps `us` microseconds first, as on a slow host (0 turns it off)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delay its host steps")
+
+    def fail_next_step(self) -> None:
+        """The next host step fails as a real kernel failure would (its message says "injected failure")."""
+        raise NotImplementedError(f"{type(self).__name__} cannot inject a step failure")
+
+    def fail_next_copy(self) -> None:
+        """The next copy raises while being enqueued (its message says "injected copy failure")."""
+        raise NotImplementedError(f"{type(self).__name__} cannot inject a copy failure")
+
+    def pending_units(self) -> list[int]:
+        """Indices (in new_layer order) of the layers whose host step is not finished."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report pending host steps")
+
     def close(self) -> None:
         pass

@@ -21,8 +21,6 @@ import torch
 from .._ext import native
 from .base import Backend, Hyper, LayerBuffers
 
-_H2D, _D2H = 0, 1
-
 
 def default_engine_threads() -> int:
     # All usable CPUs but one for the Python thread that launches GPU work, and one for the
@@ -41,16 +39,20 @@ def default_grad_slots(precision: str, layers: int) -> int:
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
-                 accumulate: bool = False,
-                 async_step: bool = True, **_: Any) -> None:
+                 accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
+                 **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         self.asynchronous = async_step
         ext = native()
+        self._direction, self._jobs = ext.Direction, ext.Job
         if device.type == "cuda" and not ext.native_info()["cuda"]:
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
                                "offload_ext.build_info()); reinstall with a CUDA toolkit, or use backend='python'")
-        index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
+        index = -1 if device.type == "cpu" else torch.cuda.current_device() if device.index is None else device.index
         self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes)
+        self._slice_elements = slice_elements  # None: chosen in prepare()
+        if slice_elements is not None:
+            self._engine.set_slice_elements(slice_elements)
         self._units: list[int] = []
         self._grad_slots = grad_slots  # None: chosen in prepare()
         self._ring: list[torch.Tensor] = []
@@ -63,10 +65,11 @@ class NativeBackend(Backend):
         largest = max(t for _, t in sizes)
         self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
         self._slot_owner = [None] * self._grad_slots
-        if self._grad_slots < len(sizes):
+        if self._slice_elements is None and self._grad_slots < len(sizes):
             # The engine steps units in slices so that a lower layer can overtake one already started.
             # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
-            # layers the layer that reuses the slot would wait in backward: step whole units instead.
+            # layers the layer that reuses the slot would wait in backward: step whole units instead,
+            # unless the caller chose the slice (slice_elements).
             self._engine.set_slice_elements(1 << 62)
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
@@ -97,7 +100,7 @@ class NativeBackend(Backend):
 
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
         self._engine.wait_unit(self._units[index])  # its step writes the params we copy (GIL released)
-        return self._engine.copy(_H2D, dst, layer.params)
+        return self._engine.copy(self._direction.H2D, dst, layer.params)
 
     def ready(self, index: int) -> bool:
         return self._engine.ready(self._units[index])
@@ -105,11 +108,14 @@ class NativeBackend(Backend):
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
 
-    def _job(self) -> int:
-        """The engine job a landed gradient copy triggers (see StepScheduler's Job)."""
+    def _job(self) -> Any:
+        """The engine Job a landed gradient copy triggers."""
+        jobs = self._jobs
         if not self.accumulate:
-            return 0
-        return 1 if self._first_micro else 3 if self._last_micro else 2
+            return jobs.STEP
+        if self._first_micro:
+            return jobs.ACCUMULATE_FIRST
+        return jobs.ACCUMULATE_STEP if self._last_micro else jobs.ACCUMULATE
 
     def begin_micro(self, first: bool, last: bool) -> None:
         super().begin_micro(first, last)
@@ -118,26 +124,33 @@ class NativeBackend(Backend):
 
     def grad_sq_norm(self) -> float:
         units = [self._units[i] for i in sorted(self._flushed)]
+        # The last gradient copies may still be in flight: their accumulate jobs are queued only when
+        # they land, and a norm job queued before them would read last micro-batch's sum.
+        self._engine.wait_all()
         for u in units:
-            self._engine.run(u, 4)
+            self._engine.run(u, self._jobs.NORM)
         self._engine.wait_all()
         return sum(self._engine.sq_norm(u) for u in units)
 
     def clipped_step(self, scale: float) -> None:
         for i in sorted(self._flushed):
-            self._engine.run(self._units[i], 5, scale)
+            self._engine.run(self._units[i], self._jobs.SCALE_STEP, scale)
         if not self.asynchronous:
             self._engine.wait_all()
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
-        self._flushed.add(index)
-        if index not in self._own_grads:
-            slot = index % self._grad_slots
+        slot = None if index in self._own_grads else index % self._grad_slots
+        if slot is not None:
             owner = self._slot_owner[slot]
             if owner is not None and owner != index:
                 self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
+        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=self._units[index],
+                                  job=self._job())
+        # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
+        if slot is not None:
             self._slot_owner[slot] = index
-        return self._engine.copy(_D2H, layer.grads, src, notify_unit=self._units[index], job=self._job())
+        self._flushed.add(index)
+        return event
 
     def begin_step(self, hyper: Hyper) -> None:
         self._engine.check()  # a failed step from before surfaces here at the latest
@@ -160,9 +173,20 @@ class NativeBackend(Backend):
     def stats(self) -> dict[str, Any]:
         return {**self._engine.stats(), **self._engine.memory_stats()}
 
-    @property
-    def engine(self):  # noqa: ANN201  (the pybind Engine: tests and benchmarks reach its knobs)
-        return self._engine
+    def set_copy_delay(self, max_us: int) -> None:
+        self._engine.set_debug_delay_us(int(max_us))
+
+    def set_step_delay(self, us: int) -> None:
+        self._engine.set_debug_step_delay_us(int(us))
+
+    def fail_next_step(self) -> None:
+        self._engine.inject_failure()
+
+    def fail_next_copy(self) -> None:
+        self._engine.fail_next_copy()
+
+    def pending_units(self) -> list[int]:
+        return [i for i, unit in enumerate(self._units) if not self._engine.ready(unit)]
 
     def close(self) -> None:
         self._engine.synchronize()

@@ -12,6 +12,7 @@ page-lock it in the driver page by page (2-3 s for B1's 4 GB).
 """
 from __future__ import annotations
 
+import random
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,14 +24,19 @@ from .base import Backend, Hyper, LayerBuffers
 
 
 class _CudaCopies:
+    _CYCLES_PER_US = 1000  # torch.cuda._sleep spins for GPU clock cycles: about one per ns
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
 
-    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+             stall_us: int = 0) -> torch.cuda.Event:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            if stall_us:
+                torch.cuda._sleep(stall_us * self._CYCLES_PER_US)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
@@ -51,8 +57,15 @@ class _ThreadCopies:
         self.h2d = ThreadPoolExecutor(1, thread_name_prefix="offload-h2d")
         self.d2h = ThreadPoolExecutor(1, thread_name_prefix="offload-d2h")
 
-    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor) -> Future:
-        return stream.submit(dst.copy_, src)
+    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor, stall_us: int = 0) -> Future:
+        if not stall_us:
+            return stream.submit(dst.copy_, src)
+
+        def stalled() -> None:
+            time.sleep(stall_us / 1e6)
+            dst.copy_(src)
+
+        return stream.submit(stalled)
 
     def compute_wait(self, event: Future) -> None:
         event.result()
@@ -113,6 +126,9 @@ class PythonBackend(Backend):
         self._accumulated: set[int] = set()  # layers with a gradient sum this step
         self._hyper: Hyper | None = None
         self._arena: _PinnedArena | None = None
+        self._copy_delay_us = 0  # testing aids: see Backend
+        self._fail_next_copy = False
+        self._fail_next_step = False
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """One pinned arena for every layer's params and grads."""
@@ -146,8 +162,21 @@ class PythonBackend(Backend):
         self._optimizer = None  # rebuilt lazily over all layers
         return layer
 
+    def arena_bounds(self) -> tuple[int, int]:
+        """Start and end address of the one pinned arena every params and grads buffer lies in."""
+        assert self._arena is not None, "prepare() was not called"
+        t = self._arena.tensor
+        return t.data_ptr(), t.data_ptr() + t.nbytes
+
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        if self._fail_next_copy:
+            self._fail_next_copy = False
+            raise RuntimeError("PythonBackend: injected copy failure (fail_next_copy)")
+        stall_us = random.randint(0, self._copy_delay_us) if self._copy_delay_us else 0
+        return self._copies.copy(stream, dst, src, stall_us)
+
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        return self._copies.copy(self._copies.h2d, dst, layer.params)
+        return self._copy(self._copies.h2d, dst, layer.params)
 
     def compute_wait(self, event: Any) -> None:
         self._copies.compute_wait(event)
@@ -155,7 +184,7 @@ class PythonBackend(Backend):
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         if index in self._unfolded:
             self._fold(index)  # the previous micro-batch's copy must be added before it is overwritten
-        event = self._copies.copy(self._copies.d2h, layer.grads, src)
+        event = self._copy(self._copies.d2h, layer.grads, src)
         if self.accumulate:
             self._unfolded[index] = (event, self._first_micro)
         if self._last_micro:
@@ -221,6 +250,9 @@ class PythonBackend(Backend):
 
     def _step_layers(self, stepped: set[int]) -> None:
         """torch's fused AdamW over the layers in `stepped`, from their gradient (sum)."""
+        if self._fail_next_step:
+            self._fail_next_step = False
+            raise RuntimeError(f"PythonBackend: injected failure while stepping layers {sorted(stepped)}")
         hyper = self._hyper
         opt = self._torch_optimizer()
         group = opt.param_groups[0]
@@ -237,6 +269,23 @@ class PythonBackend(Backend):
             self._params[i].grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
+
+    def set_copy_delay(self, max_us: int) -> None:
+        self._copy_delay_us = max(0, int(max_us))
+
+    def set_step_delay(self, us: int) -> None:
+        raise NotImplementedError("PythonBackend cannot delay its host steps: it steps every layer inside step(), "
+                                  "after backward, so there is no step running alongside the device to slow down; "
+                                  "use backend='native'")
+
+    def fail_next_step(self) -> None:
+        self._fail_next_step = True
+
+    def fail_next_copy(self) -> None:
+        self._fail_next_copy = True
+
+    def pending_units(self) -> list[int]:
+        return []  # every host step finishes inside finish_step or clipped_step
 
     def close(self) -> None:
         if self._arena is not None:

@@ -70,20 +70,19 @@ class HostStream {
     cv_.notify_all();
     thread_.join();
   }
+  // Queues `job` and makes it the one synchronize() waits for. Nothing changes if it throws, so a
+  // failed push can neither run the job's callback nor leave synchronize() waiting for it.
   void push(Job job) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       jobs_.push_back(std::move(job));
+      last_ = jobs_.back().done;
     }
     cv_.notify_all();
   }
   std::shared_ptr<HostEvent> last() {
     std::lock_guard<std::mutex> lock(mutex_);
     return last_;
-  }
-  void note_last(const std::shared_ptr<HostEvent>& e) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    last_ = e;
   }
 
  private:
@@ -121,10 +120,9 @@ class HostCopyEngine final : public CopyEngine {
   }
   std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t /*compute*/,
                               Callback on_done) override {
+    throw_if_failure_injected();
     auto done = std::make_shared<HostEvent>();
-    HostStream& s = *streams_[static_cast<int>(dir)];
-    s.note_last(done);
-    s.push({dst, src, bytes, done, std::move(on_done)});
+    streams_[static_cast<int>(dir)]->push({dst, src, bytes, done, std::move(on_done)});
     return done;
   }
   void compute_wait(const Event& e, uintptr_t) override { const_cast<Event&>(e).synchronize(); }
@@ -133,10 +131,8 @@ class HostCopyEngine final : public CopyEngine {
       if (auto last = s->last()) last->synchronize();
     }
   }
-  void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
 
  private:
-  std::atomic<int> delay_us_{0};
   std::unique_ptr<HostStream> streams_[2];
 };
 
@@ -231,6 +227,7 @@ class CudaCopyEngine final : public CopyEngine {
   std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
                               Callback on_done) override {
     DeviceGuard guard(device_);
+    throw_if_failure_injected();
     cudaStream_t s = streams_[static_cast<int>(dir)];
     {
       CudaEvent marker(events_, reinterpret_cast<cudaStream_t>(compute));
@@ -242,12 +239,15 @@ class CudaCopyEngine final : public CopyEngine {
     }
     const cudaMemcpyKind kind = dir == Direction::kH2D ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
     if (bytes) cuda_check(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
+    auto landed = std::make_shared<CudaEvent>(events_, s);
+    // The callback goes last: once it is enqueued nothing here can throw, so a copy() that throws never
+    // runs on_done (see the header). The event before it marks the copy, not the callback, as done.
     if (on_done) {
       auto payload = std::make_unique<Callback>(std::move(on_done));
       cuda_check(cudaLaunchHostFunc(s, run_host_callback, payload.get()), "cudaLaunchHostFunc");
       payload.release();  // owned by run_host_callback from here
     }
-    return std::make_shared<CudaEvent>(events_, s);
+    return landed;
   }
 
   void compute_wait(const Event& e, uintptr_t compute) override {
@@ -258,18 +258,20 @@ class CudaCopyEngine final : public CopyEngine {
   void synchronize() override {
     for (auto& s : streams_) cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
-  void set_debug_delay_us(int max_us) override { delay_us_.store(max_us); }
 
  private:
   const int device_;
   std::shared_ptr<EventPool> events_;
   cudaStream_t streams_[2] = {nullptr, nullptr};
-  std::atomic<int> delay_us_{0};
 };
 
 #endif  // OFFLOAD_EXT_WITH_CUDA
 
 }  // namespace
+
+void CopyEngine::throw_if_failure_injected() {
+  if (fail_next_.exchange(false)) throw std::runtime_error("CopyEngine: injected copy failure (fail_next_copy)");
+}
 
 std::shared_ptr<CopyEngine> make_copy_engine(int device) {
   if (device < 0) return std::make_shared<HostCopyEngine>();

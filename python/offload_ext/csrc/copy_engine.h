@@ -4,6 +4,7 @@
 // one worker thread per direction doing memcpy with real completion signals.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -29,14 +30,25 @@ class CopyEngine {
   // that stream and after all work enqueued so far on the compute stream `compute` (the CUDA stream
   // handle; ignored on the simulated device, whose compute is the calling thread). `on_done` (may be
   // empty) runs on an engine thread once the copy has landed; it must not call back into CUDA or Python.
+  // When copy() throws, on_done never runs: the caller may undo what it did in on_done's name.
   virtual std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
                                       Callback on_done) = 0;
   // Make the compute stream wait for `e` (the simulated device blocks the caller instead).
   virtual void compute_wait(const Event& e, uintptr_t compute) = 0;
   // Wait for everything enqueued on both copy streams.
   virtual void synchronize() = 0;
-  // Testing aid: before each copy, stall its stream for a random 0..max_us microseconds.
-  virtual void set_debug_delay_us(int max_us) = 0;
+  // Testing aid: before each copy, stall its stream for a random 0..max_us microseconds (0 = off).
+  void set_debug_delay_us(int max_us) { delay_us_.store(max_us); }
+  // Testing aid: the next copy() throws before it enqueues anything, as a failing cudaMemcpyAsync would.
+  void fail_next_copy() { fail_next_.store(true); }
+
+ protected:
+  // Called by copy() before it enqueues anything: throws the injected failure, once.
+  void throw_if_failure_injected();
+  std::atomic<int> delay_us_{0};
+
+ private:
+  std::atomic<bool> fail_next_{false};
 };
 
 // device < 0: the simulated device. Otherwise a CUDA device index (needs the CUDA build).

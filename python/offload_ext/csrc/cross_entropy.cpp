@@ -94,7 +94,7 @@ void check_cross_entropy_backward_args(const char* who, const at::Tensor& logits
 }
 
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& labels,
-                                                          int64_t ignore_index) {
+                                                          int64_t ignore_index, bool /*overwrite*/) {
   check_cross_entropy_args("cross_entropy_rows", logits, labels);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   check_labels_in_range(labels, vocab, ignore_index);

@@ -12,9 +12,11 @@ namespace offload_ext {
 // Validates the arguments shared by both directions (and both devices); `who` names the op.
 void check_cross_entropy_args(const char* who, const at::Tensor& logits, const at::Tensor& labels);
 
-// Returns (loss, lse), both float32 [rows]; a row whose label is ignore_index has loss 0.
+// Returns (loss, lse), both float32 [rows]; a row whose label is ignore_index has loss 0. `overwrite` (the
+// caller allows the backward to write the logits' gradient over the logits) is read by the op's autograd
+// formula in ops.py alone.
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& labels,
-                                                          int64_t ignore_index);
+                                                          int64_t ignore_index, bool overwrite);
 
 // grad_logits[r, j] = grad[r] * (exp(logits[r, j] - lse[r]) - [j == labels[r]]), 0 on ignored rows.
 // grad_logits may be logits itself.

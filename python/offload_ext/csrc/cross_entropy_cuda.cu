@@ -141,8 +141,9 @@ int threads_for(int64_t vocab) {
   return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, warps * 32)));
 }
 
+// `overwrite` is for the backward's autograd formula (see cross_entropy.h).
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(const at::Tensor& logits, const at::Tensor& labels,
-                                                           int64_t ignore_index) {
+                                                           int64_t ignore_index, bool /*overwrite*/) {
   check_cross_entropy_args("cross_entropy_rows", logits, labels);
   check_rows_fit_grid("cross_entropy_rows", logits.size(0));
   const c10::cuda::CUDAGuard guard(logits.device());

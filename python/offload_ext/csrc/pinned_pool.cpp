@@ -38,7 +38,9 @@ struct PinnedPool::Slab {
 
   Slab(size_t n, bool page_lock) : bytes(n) {
     void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::runtime_error("PinnedPool: out of host memory allocating " + std::to_string(n) + " bytes");
+    if (p == MAP_FAILED) {
+      throw std::runtime_error("PinnedPool: out of host memory allocating " + std::to_string(n) + " bytes");
+    }
     base = static_cast<char*>(p);
     madvise(base, n, MADV_HUGEPAGE);  // fewer TLB misses for the AdamW streams; advisory only
     if (page_lock) {

@@ -46,6 +46,14 @@ void StepScheduler::expect(int id) {
   ++expected_[id];
 }
 
+void StepScheduler::withdraw(int id) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --expected_[id];
+  }
+  done_cv_.notify_all();  // a caller may be blocked on just the withdrawn job
+}
+
 void StepScheduler::notify(int id, Job job, float scale) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -244,7 +252,9 @@ void StepScheduler::wait_locked(std::unique_lock<std::mutex>& lock, Done done) {
 }
 
 void StepScheduler::check_unit_locked(int id) const {
-  if (id < 0 || id >= static_cast<int>(units_.size())) throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  if (id < 0 || id >= static_cast<int>(units_.size())) {
+    throw std::out_of_range("StepScheduler: no unit " + std::to_string(id));
+  }
 }
 
 void StepScheduler::rethrow_locked() {

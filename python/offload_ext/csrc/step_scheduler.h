@@ -65,6 +65,9 @@ class StepScheduler {
   // A step of unit `id` is on its way (its gradient copy is enqueued): waits cover it from now on,
   // even before the copy lands and calls notify.
   void expect(int id);
+  // Takes back one expect(id) whose job will never be notified (its copy failed to enqueue), so waits
+  // stop covering it. Requires that expect(id) call, which checked id.
+  void withdraw(int id);
   // Unit `id`'s gradients are in place: queue its job. Safe from any thread.
   void notify(int id, Job job = Job::kStep, float scale = 1.0f);
   // The last kNorm result of unit `id` (after waiting for it).

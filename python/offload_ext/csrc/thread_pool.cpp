@@ -108,9 +108,7 @@ std::vector<int> allowed_cpus() {
   return cpus;
 }
 
-int default_num_threads() {
-  return std::max(1, static_cast<int>(allowed_cpus().size()) - 1);
-}
+int default_num_threads() { return static_cast<int>(allowed_cpus().size()); }
 
 namespace {
 std::mutex g_pool_mutex;

@@ -53,7 +53,8 @@ class ThreadPool {
 // Usable CPUs of this process (its affinity mask), in order.
 std::vector<int> allowed_cpus();
 
-// Default: all usable CPUs but one, left for the thread that drives the GPU.
+// Default of the global pool (adamw_step, CPUAdamW): every usable CPU, since a standalone optimizer has no
+// GPU-driving thread to leave a core for. The Offloader's engine pool has its own, smaller default.
 int default_num_threads();
 
 // CPUs for the workers of a pinned pool of num_threads: the highest-numbered usable CPUs, so the

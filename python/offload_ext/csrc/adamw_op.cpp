@@ -1,0 +1,79 @@
+// The adamw_step op: checks a span's tensors against the precision mode their dtypes choose, then runs
+// the fused kernel on the global pool.
+#include "adamw_op.h"
+
+#include "messages.h"
+#include "thread_pool.h"
+
+namespace offload_ext {
+namespace {
+
+void check_dtype(const char* who, const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
+  TORCH_CHECK(t.scalar_type() == expected, who, ": in ", mode, " mode expected ", name, " of dtype ", expected,
+              ", got ", t.scalar_type());
+}
+
+}  // namespace
+
+void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), who, ": expected ", name, " on the CPU, got a tensor on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), who, ": expected ", name,
+              " to be contiguous (the kernel steps one flat span); call .contiguous() on it first");
+  TORCH_CHECK(t.numel() == numel, who, ": expected ", name, " to have ", num(numel), " elements like param, got ",
+              num(t.numel()));
+}
+
+StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out) {
+  const int64_t n = param.numel();
+  check_span(who, param, "param", n);
+  check_span(who, grad, "grad", n);
+  check_span(who, exp_avg, "exp_avg", n);
+  check_span(who, exp_avg_sq, "exp_avg_sq", n);
+  StepUnit u{};
+  u.numel = n;
+  u.param = param.data_ptr();
+  u.grad = grad.data_ptr();
+  u.exp_avg = exp_avg.data_ptr();
+  u.exp_avg_sq = exp_avg_sq.data_ptr();
+  if (param.scalar_type() == at::kBFloat16) {
+    const char* mode = "bf16 (bf16 param)";
+    check_dtype(who, grad, "grad", at::kBFloat16, mode);
+    check_dtype(who, exp_avg, "exp_avg", at::kBFloat16, mode);
+    check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
+    TORCH_CHECK(!param_out.has_value(), who, ": param_out is only for fp32 master params; "
+                "a bf16 param is updated in place");
+    u.bf16_mode = true;
+    return u;
+  }
+  TORCH_CHECK(param.scalar_type() == at::kFloat, who, ": expected param of dtype bfloat16 (bf16 mode) or ",
+              "float32 (fp32/mixed mode), got ", param.scalar_type());
+  const char* mode = "fp32/mixed (float32 param)";
+  check_dtype(who, exp_avg, "exp_avg", at::kFloat, mode);
+  check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kFloat, mode);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, who, ": in ", mode,
+              " mode expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
+  u.grad_type = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
+  if (param_out.has_value()) {
+    check_span(who, *param_out, "param_out", n);
+    check_dtype(who, *param_out, "param_out", at::kBFloat16, mode);
+    u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
+  }
+  return u;
+}
+
+void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+  TORCH_CHECK(step >= 1, "adamw_step: expected step >= 1 (the 1-based count used for bias correction), got ",
+              num(step));
+  TORCH_CHECK(lr >= 0, "adamw_step: expected lr >= 0, got ", num(lr));
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, "adamw_step: expected 0 <= beta1 < 1, got ", num(beta1));
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", num(beta2));
+  TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", num(eps));
+  TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
+  const StepUnit unit = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out);
+  adamw_unit(unit, unit.grad, {lr, beta1, beta2, eps, weight_decay, step}, *global_pool());
+}
+
+}  // namespace offload_ext

@@ -1,0 +1,169 @@
+// Engine: argument checks at the Python boundary, pool blocks wrapped as tensors, and the bookkeeping
+// that keeps the scheduler's expected jobs in step with the copies actually enqueued.
+#include "engine.h"
+
+#include <algorithm>
+#include <thread>
+#include <utility>
+
+#ifdef OFFLOAD_EXT_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "adamw_op.h"
+#include "messages.h"
+#include "thread_pool.h"
+
+namespace offload_ext {
+namespace {
+
+// The tensor owns its pool block: the deleter keeps the block's shared_ptr until the storage dies.
+at::Tensor wrap_block(std::shared_ptr<void> block, int64_t numel, at::ScalarType dtype) {
+  void* ptr = block.get();
+  return at::from_blob(ptr, {numel}, [block](void*) mutable { block.reset(); },
+                       at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+void check_flat(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous(), "Engine.copy: expected ", what, " to be contiguous; call .contiguous() first");
+}
+
+// Checked before the thread pool is built from it, which a count below one would break.
+int checked_threads(int num_threads) {
+  TORCH_CHECK(num_threads >= 1, "Engine: expected num_threads >= 1, got ", num(static_cast<int64_t>(num_threads)));
+  return num_threads;
+}
+
+// Threads for one-off set-up work (making and page-locking slabs): every CPU; training has not started.
+int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
+bool is_copy_job(Job job) {
+  return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep;
+}
+
+// A job announced to the scheduler while it is being enqueued, taken back unless commit() is reached.
+// The announcement must come first: a landed copy's callback notifies from the copy thread, possibly
+// before the enqueueing call returns, and a job notified before it was expected would let waits return
+// while it still runs. Taking it back when the enqueue throws (CopyEngine::copy then never runs the
+// callback) keeps a job that will never be queued from leaving wait_unit and wait_all blocked forever.
+class PendingJob {
+ public:
+  PendingJob(StepScheduler& scheduler, int unit) : scheduler_(scheduler), unit_(unit) { scheduler_.expect(unit_); }
+  ~PendingJob() {
+    if (!committed_) scheduler_.withdraw(unit_);
+  }
+  PendingJob(const PendingJob&) = delete;
+  PendingJob& operator=(const PendingJob&) = delete;
+  void commit() { committed_ = true; }
+
+ private:
+  StepScheduler& scheduler_;
+  const int unit_;
+  bool committed_ = false;
+};
+
+}  // namespace
+
+Engine::Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes)
+    : device_(device),
+      pinned_(std::make_shared<PinnedPool>(device >= 0, static_cast<size_t>(slab_bytes), setup_threads())),
+      host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), setup_threads())),
+      scheduler_(std::make_shared<StepScheduler>(std::make_shared<ThreadPool>(
+          checked_threads(num_threads), pin_threads ? worker_cpus(num_threads) : std::vector<int>{}))),
+      copies_(make_copy_engine(device)) {}
+
+at::Tensor Engine::pinned_empty(int64_t numel, at::ScalarType dtype) {
+  return wrap_block(pinned_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
+}
+
+at::Tensor Engine::host_empty(int64_t numel, at::ScalarType dtype) {
+  return wrap_block(host_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
+}
+
+at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
+  return wrap_block(host_->allocate(numel * c10::elementSize(dtype), true), numel, dtype);
+}
+
+void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
+
+std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
+                                    Job job) {
+  // The enums come from Python, where an enum can still be built from any int.
+  TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
+              "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
+  TORCH_CHECK(is_copy_job(job), "Engine.copy: expected a job a landed gradient triggers (Job.STEP, "
+              "ACCUMULATE_FIRST, ACCUMULATE or ACCUMULATE_STEP), got ", num(static_cast<int64_t>(job)),
+              "; NORM and SCALE_STEP are queued with Engine.run");
+  TORCH_CHECK(notify_unit >= 0 || job == Job::kStep, "Engine.copy: a job is only queued for a notify_unit; "
+              "pass notify_unit= the unit whose gradients this copy brings");
+  check_flat(dst, "the copy's destination");
+  check_flat(src, "the copy's source");
+  TORCH_CHECK(dst.nbytes() == src.nbytes(), "Engine.copy: expected as many destination bytes as source bytes, got ",
+              num(static_cast<int64_t>(src.nbytes())), " source and ", num(static_cast<int64_t>(dst.nbytes())),
+              " destination bytes");
+  const at::Tensor& host = dir == Direction::kH2D ? src : dst;
+  const at::Tensor& dev = dir == Direction::kH2D ? dst : src;
+  TORCH_CHECK(host.device().is_cpu(), "Engine.copy: expected the host side of a copy on the CPU, got ",
+              host.device());
+  if (device_ >= 0) {
+    TORCH_CHECK(dev.is_cuda() && dev.get_device() == device_, "Engine.copy: expected the device side of a copy on "
+                "cuda:", num(static_cast<int64_t>(device_)), ", got ", dev.device());
+  } else {
+    TORCH_CHECK(dev.device().is_cpu(), "Engine.copy: on the simulated device expected both sides of a copy on the "
+                "CPU, got ", dev.device());
+  }
+  if (notify_unit < 0) return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), {});
+  PendingJob pending(*scheduler_, notify_unit);
+  auto on_done = [sched = scheduler_, notify_unit, job] { sched->notify(notify_unit, job); };
+  auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
+  pending.commit();
+  return event;
+}
+
+void Engine::compute_wait(const std::shared_ptr<Event>& e) {
+  TORCH_CHECK(e, "Engine.compute_wait: expected an event from Engine.copy, got None");
+  copies_->compute_wait(*e, compute_stream());
+}
+
+int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+                     const std::optional<at::Tensor>& accum) {
+  StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
+  if (accum.has_value()) {
+    check_span("Engine.add_unit", *accum, "accum", u.numel);
+    TORCH_CHECK(accum->scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16,
+                "Engine.add_unit: gradient accumulation works on bf16 grads into a bf16 accum, got grad ",
+                grad.scalar_type(), " and accum ", accum->scalar_type());
+    u.accum = reinterpret_cast<uint16_t*>(accum->data_ptr());
+  }
+  return scheduler_->add_unit(u);
+}
+
+void Engine::set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+  TORCH_CHECK(step >= 1, "Engine.set_hyper: expected step >= 1 (the 1-based count for bias correction), got ",
+              num(step));
+  scheduler_->set_hyper({lr, beta1, beta2, eps, weight_decay, step});
+}
+
+void Engine::notify(int unit) {
+  PendingJob pending(*scheduler_, unit);
+  scheduler_->notify(unit);
+  pending.commit();
+}
+
+void Engine::run(int unit, Job job, float scale) {
+  TORCH_CHECK(job == Job::kNorm || job == Job::kScaleStep, "Engine.run: expected Job.NORM or Job.SCALE_STEP, got ",
+              num(static_cast<int64_t>(job)), "; the other jobs come with a gradient copy (Engine.copy)");
+  PendingJob pending(*scheduler_, unit);
+  scheduler_->notify(unit, job, scale);
+  pending.commit();
+}
+
+uintptr_t Engine::compute_stream() const {
+#ifdef OFFLOAD_EXT_WITH_CUDA
+  if (device_ >= 0) return reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(device_).stream());
+#endif
+  return 0;
+}
+
+}  // namespace offload_ext

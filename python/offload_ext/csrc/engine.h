@@ -1,0 +1,73 @@
+// Engine: the offload engine behind the Python Engine class; owns the pinned and host pools, the copy
+// streams and the step scheduler, and checks everything that crosses in from Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "copy_engine.h"
+#include "pinned_pool.h"
+#include "step_scheduler.h"
+
+namespace offload_ext {
+
+class Engine {
+ public:
+  // device < 0: the simulated device (CPU tensors on both sides of a copy); else a CUDA device index.
+  Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Flat CPU tensors over pool blocks; a block goes back to its pool when the last tensor on it dies.
+  at::Tensor pinned_empty(int64_t numel, at::ScalarType dtype);
+  at::Tensor host_empty(int64_t numel, at::ScalarType dtype);
+  at::Tensor host_zeros(int64_t numel, at::ScalarType dtype);
+  void reserve_pinned(int64_t bytes);
+  PinnedStats pinned_stats() const { return pinned_->stats(); }
+  PinnedStats host_stats() const { return host_->stats(); }
+
+  // Enqueues a copy on the `dir` stream. With notify_unit >= 0, `job` of that unit is queued once the
+  // copy lands, and waits on the unit cover it from now on. Throws (and expects nothing) when the copy
+  // cannot be enqueued.
+  std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job);
+  void compute_wait(const std::shared_ptr<Event>& e);
+  void synchronize() { copies_->synchronize(); }
+
+  int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+               const std::optional<at::Tensor>& accum);
+  void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
+  // Queues a step of `unit` whose gradients are already in place.
+  void notify(int unit);
+  // Queues NORM or SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).
+  void run(int unit, Job job, float scale);
+  double sq_norm(int unit) const { return scheduler_->sq_norm(unit); }
+  void wait_unit(int unit) { scheduler_->wait(unit); }
+  void wait_all() { scheduler_->wait_all(); }
+  bool ready(int unit) const { return scheduler_->ready(unit); }
+  void check() { scheduler_->check(); }
+  void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }
+  SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
+  int num_threads() const { return scheduler_->pool()->num_threads(); }
+  bool threads_pinned() const { return scheduler_->pool()->pinned(); }
+
+  // Testing aids.
+  void inject_failure() { scheduler_->inject_failure(); }
+  void fail_next_copy() { copies_->fail_next_copy(); }
+  void set_debug_step_delay_us(int us) { scheduler_->set_debug_step_delay_us(us); }
+  void set_debug_delay_us(int max_us) { copies_->set_debug_delay_us(max_us); }
+
+ private:
+  uintptr_t compute_stream() const;
+
+  const int device_;
+  std::shared_ptr<PinnedPool> pinned_;
+  std::shared_ptr<PinnedPool> host_;
+  std::shared_ptr<StepScheduler> scheduler_;
+  std::shared_ptr<CopyEngine> copies_;  // last: destroyed first, draining copies into the pools above
+};
+
+}  // namespace offload_ext

@@ -1,0 +1,262 @@
+"""The native Engine on the simulated device: pool memory, the step scheduler's order and slicing, the typed
+job and direction enums, a copy that fails to enqueue; and the testing aids both backends give
+offload_ext.testing (delays, injected failures, pending steps), driven through the Backend interface."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from offload_ext import ops
+from offload_ext.backends import Backend, Hyper, LayerBuffers, make_backend
+
+Direction, Job = ops.Direction, ops.Job
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _engine(num_threads: int = 1) -> Any:  # an ops.Engine on the simulated device
+    return ops.Engine(-1, num_threads, False, 1 << 20)
+
+
+def test_host_zeros_reads_zero_also_when_memory_is_reused() -> None:
+    engine = _engine()
+    first = engine.host_zeros(1000, torch.float32)
+    assert torch.count_nonzero(first) == 0
+    first.fill_(7.0)
+    del first
+    again = engine.host_zeros(1000, torch.float32)
+    assert torch.count_nonzero(again) == 0
+    assert engine.memory_stats()["host_in_use"] >= 4000
+
+
+def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
+    engine = _engine()
+    units = []
+    for _ in range(4):
+        p, g, m, v = (engine.host_zeros(1024, torch.bfloat16) for _ in range(4))
+        units.append(engine.add_unit(p, g, m, v))
+    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    engine.set_debug_step_delay_us(50_000)
+    for u in (3, 2, 1, 0):  # gradients land top-down, as in backward; unit 3 starts at once
+        engine.notify(u)
+    engine.wait_unit(1)     # unit 1 jumps ahead of 0 and 2
+    assert engine.ready(1) and not engine.ready(2) and not engine.ready(0)
+    engine.wait_unit(0)     # then the lowest id: 0 before 2
+    assert not engine.ready(2)
+    engine.wait_all()
+    assert engine.stats()["wait_seconds"] > 0.1
+
+
+def _engine_units(engine: Any, sizes: list[int], precision: str) -> tuple[list[int], list[list[torch.Tensor | None]]]:
+    """Engine units over fresh random tensors (kept alive in the returned list)."""
+    state = torch.float32 if precision == "mixed" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    units, tensors = [], []
+    for n in sizes:
+        t = [torch.randn(n, generator=g).to(state), torch.randn(n, generator=g).to(torch.bfloat16),
+             torch.randn(n, generator=g).to(state), torch.rand(n, generator=g).to(state),
+             torch.empty(n, dtype=torch.bfloat16) if precision == "mixed" else None,
+             torch.randn(n, generator=g).to(torch.bfloat16)]
+        units.append(engine.add_unit(*t[:4], t[4], accum=t[5]))
+        tensors.append(t)
+    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    return units, tensors
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision: str) -> None:
+    results = []
+    for slice_elements in (None, 1000):  # 1000: slices end off the SIMD width, in the scalar tail
+        engine = _engine(num_threads=2)
+        if slice_elements:
+            engine.set_slice_elements(slice_elements)
+        (u,), tensors = _engine_units(engine, [10_007], precision)
+        grad = tensors[0][1]
+        landing = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        # One job at a time: a landing copy must not overwrite the gradient a step still reads.
+        for submit in (lambda: engine.notify(u),                                                     # step
+                       lambda: engine.copy(Direction.D2H, grad, landing, notify_unit=u,
+                                           job=Job.ACCUMULATE_FIRST),                               # accum = it
+                       lambda: engine.copy(Direction.D2H, grad, landing, notify_unit=u,
+                                           job=Job.ACCUMULATE_STEP),                                # += it; step
+                       lambda: engine.run(u, Job.SCALE_STEP, 0.5),                                   # *= 0.5; step
+                       lambda: engine.run(u, Job.NORM, 1.0)):                                        # not sliced
+            submit()
+            engine.wait_unit(u)
+        results.append([t for t in tensors[0] if t is not None] + [torch.tensor(engine.sq_norm(u))])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> None:
+    engine = _engine()
+    engine.set_slice_elements(1024)
+    (low, high), _ = _engine_units(engine, [1024, 8 * 1024], "bf16")
+    engine.set_debug_step_delay_us(20_000)  # every slice: 20 ms; the high unit has 8
+    engine.notify(high)                     # starts at once, as the top layer's gradients land first
+    time.sleep(0.05)
+    engine.notify(low)
+    engine.wait_unit(low)                   # taken after the high unit's current slice
+    assert not engine.ready(high)           # which still has slices left
+    engine.wait_all()
+    with pytest.raises(ValueError, match="slice"):
+        engine.set_slice_elements(0)
+
+
+def _returns_within(seconds: float, fn: Callable[[], object]) -> bool:
+    """Whether fn() returns within `seconds` (a wait that hangs would otherwise hang the test run)."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (fn(), done.set()), daemon=True)
+    thread.start()
+    return done.wait(seconds)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_a_copy_that_fails_to_enqueue_raises_and_leaves_nothing_expected(device: str) -> None:
+    engine = _engine() if device == "cpu" else ops.Engine(torch.cuda.current_device(), 1, False, 1 << 20)
+    (u,), tensors = _engine_units(engine, [4096], "bf16")
+    grad = tensors[0][1]
+    landing = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    engine.fail_next_copy()
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        engine.copy(Direction.D2H, grad, landing, notify_unit=u, job=Job.STEP)
+    assert engine.ready(u)  # the failed copy's step is no longer expected
+    assert _returns_within(5.0, lambda: engine.wait_unit(u))
+    assert _returns_within(5.0, engine.wait_all)
+    assert engine.stats()["units_stepped"] == 0 and not torch.equal(grad, landing.cpu())
+    # The failure was one-off: the next copy lands and steps its unit.
+    engine.copy(Direction.D2H, grad, landing, notify_unit=u, job=Job.STEP)
+    engine.wait_unit(u)
+    assert torch.equal(grad, landing.cpu()) and engine.stats()["units_stepped"] == 1
+
+
+def test_jobs_are_checked_against_the_call_that_queues_them() -> None:
+    engine = _engine()
+    (u,), tensors = _engine_units(engine, [64], "bf16")
+    grad = tensors[0][1]
+    with pytest.raises(RuntimeError, match="NORM and SCALE_STEP are queued with Engine.run"):
+        engine.copy(Direction.D2H, grad, grad.clone(), notify_unit=u, job=Job.NORM)
+    with pytest.raises(RuntimeError, match="expected Job.NORM or Job.SCALE_STEP"):
+        engine.run(u, Job.STEP)
+    with pytest.raises(RuntimeError, match="a job is only queued for a notify_unit"):
+        engine.copy(Direction.D2H, grad, grad.clone(), job=Job.ACCUMULATE)
+    with pytest.raises(RuntimeError, match="expected Direction.H2D or Direction.D2H"):
+        engine.copy(Direction(7), grad, grad.clone())
+    with pytest.raises(TypeError):
+        engine.copy(1, grad, grad.clone())  # a bare int is no Direction
+    assert engine.ready(u)  # a refused call expects nothing
+
+
+# ------------------------------------------------------------------ the backends' testing aids
+
+N = 2048  # elements per layer
+
+
+def _backend(name: str, layers: int = 3, **options: object) -> tuple[Backend, list[LayerBuffers]]:
+    if name == "native":
+        options = {"num_threads": 1, "pin_threads": False, **options}
+    backend = make_backend(name, torch.device("cpu"), "bf16", **options)
+    backend.prepare([(N, N)] * layers)
+    host = [backend.new_layer(N, N) for _ in range(layers)]
+    for k, layer in enumerate(host):
+        layer.params.copy_(torch.randn(N, generator=torch.Generator().manual_seed(k)))
+    backend.begin_step(Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
+    backend.begin_micro(first=True, last=True)
+    return backend, host
+
+
+def _flush(backend: Backend, host: list[LayerBuffers], index: int) -> None:
+    grads = torch.randn(N, generator=torch.Generator().manual_seed(100 + index)).to(torch.bfloat16)
+    backend.compute_wait(backend.flush_grads(index, host[index], grads))
+
+
+@pytest.mark.parametrize("name", ["python", "native"])
+def test_an_injected_copy_failure_raises_once_and_leaves_nothing_pending(name: str) -> None:
+    backend, host = _backend(name)
+    dst = torch.empty(N, dtype=torch.bfloat16)
+    backend.fail_next_copy()
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        _flush(backend, host, 2)
+    assert backend.pending_units() == []
+    backend.compute_wait(backend.load(0, host[0], dst))  # the next copy works
+    assert torch.equal(dst, host[0].params)
+    for i in (2, 1, 0):
+        _flush(backend, host, i)
+    backend.finish_step()
+    backend.settle()
+    backend.close()
+
+
+@pytest.mark.parametrize("name", ["python", "native"])
+def test_an_injected_step_failure_surfaces_by_the_end_of_the_step(name: str) -> None:
+    backend, host = _backend(name)
+    backend.fail_next_step()
+    for i in (2, 1, 0):
+        _flush(backend, host, i)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        backend.finish_step()  # the python backend steps here; the native one may still be stepping
+        backend.settle()
+    backend.close()
+
+
+def test_a_step_delay_leaves_native_units_pending_after_the_step_and_the_python_backend_refuses_it() -> None:
+    backend, host = _backend("native")
+    backend.set_step_delay(20_000)
+    for i in (2, 1, 0):
+        _flush(backend, host, i)
+    backend.finish_step()  # asynchronous: returns with the steps still queued
+    assert backend.pending_units() != [] and set(backend.pending_units()) <= {0, 1, 2}
+    backend.settle()
+    assert backend.pending_units() == []
+    backend.close()
+    python, _ = _backend("python")
+    with pytest.raises(NotImplementedError, match="PythonBackend cannot delay its host steps"):
+        python.set_step_delay(1000)
+    assert python.pending_units() == []
+
+
+@pytest.mark.parametrize("name", ["python", "native"])
+def test_a_copy_delay_stalls_each_copy_and_zero_turns_it_off(name: str) -> None:
+    backend, host = _backend(name)
+    dst = torch.empty(N, dtype=torch.bfloat16)
+    backend.set_copy_delay(10_000)  # 20 copies of a random 0..10 ms: 100 ms expected, 20 ms at the very least
+    t0 = time.perf_counter()
+    for _ in range(20):
+        backend.compute_wait(backend.load(1, host[1], dst))
+    assert time.perf_counter() - t0 > 0.02
+    assert torch.equal(dst, host[1].params)
+    backend.set_copy_delay(0)
+    backend.compute_wait(backend.load(0, host[0], dst))
+    assert torch.equal(dst, host[0].params)
+    backend.close()
+
+
+def test_every_python_backend_buffer_lies_in_its_pinned_arena() -> None:
+    backend, host = _backend("python")
+    start, end = backend.arena_bounds()
+    for layer in host:
+        for t in (layer.params, layer.grads):
+            assert start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end
+    backend.close()
+
+
+@pytest.mark.parametrize("slice_elements", [None, N // 8])
+def test_native_slice_elements_overrides_whole_units_for_a_shared_grad_ring(slice_elements: int | None) -> None:
+    # Three layers on two grad slots share the ring, where the default steps whole units.
+    backend, host = _backend("native", grad_slots=2, slice_elements=slice_elements)
+    backend.set_step_delay(25_000)  # per slice: a whole unit takes 25 ms, a sliced one 200 ms
+    _flush(backend, host, 1)  # starts at once
+    time.sleep(0.1)
+    _flush(backend, host, 0)
+    dst = torch.empty(N, dtype=torch.bfloat16)  # alive until its copy has landed: the engine does not hold it
+    loaded = backend.load(0, host[0], dst)  # waits for unit 0's step
+    # Sliced, unit 0 went ahead of unit 1 at its next slice; whole, unit 1 finished before unit 0 began.
+    assert backend.pending_units() == ([1] if slice_elements else [])
+    backend.compute_wait(loaded)
+    backend.finish_step()
+    backend.settle()
+    backend.close()
