@@ -69,7 +69,12 @@ def median_seconds(fn: Callable[[], None], steps: int, warmup: int, sync: Callab
 
 def git_commit(repo: str | None = None) -> str:
     """`git rev-parse --short HEAD` of the checkout the benchmarks run from, with "-dirty" when tracked files
-    have uncommitted changes; "unknown" when git is missing or this is not a git checkout."""
+    have uncommitted changes; "unknown" when git is missing or this is not a git checkout.
+    OFFLOAD_EXT_RESULTS_COMMIT overrides it: the GPU machine receives the working tree over a git checkout
+    of an older commit, so its own git names the wrong one (pass the local `git rev-parse --short HEAD`)."""
+    override = os.environ.get("OFFLOAD_EXT_RESULTS_COMMIT")
+    if override:
+        return override
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo or REPO_DIR, capture_output=True,
                               text=True, timeout=30, check=True).stdout.strip()

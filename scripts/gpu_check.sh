@@ -3,7 +3,8 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
 # sanitize (default: build test adamw train).
-#   OUT=/tmp/out bash scripts/gpu_check.sh [step ...]
+#   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
+# (the device copy's own git names an older commit: the hash must come from the calling side.)
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
 # files written after it in the same call do not come back.
 set -uo pipefail
