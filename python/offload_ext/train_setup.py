@@ -93,6 +93,14 @@ def bf16_llama(cfg: Any) -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
+def _dtype_keyword() -> str:
+    """from_pretrained's dtype argument: `dtype` since transformers 4.56 (`torch_dtype` warns there)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
 def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -113,7 +121,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
                          f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
                          ) from exc
     if args.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_keyword(): torch.bfloat16})
         if model.config.vocab_size < vocab_size:
             raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {model.config.vocab_size}; "
                              "use the model's own tokenizer (--tokenizer)")
