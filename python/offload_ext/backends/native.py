@@ -53,7 +53,7 @@ class NativeBackend(Backend):
         self._slice_elements = slice_elements  # None: chosen in prepare()
         if slice_elements is not None:
             self._engine.set_slice_elements(slice_elements)
-        self._units: list[int] = []
+        self._count = 0  # units added so far; the engine numbers them 0, 1, ... as new_layer() is called
         self._grad_slots = grad_slots  # None: chosen in prepare()
         self._ring: list[torch.Tensor] = []
         self._slot_owner: list[int | None] = []  # per slot: the unit whose step reads it
@@ -81,10 +81,10 @@ class NativeBackend(Backend):
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
         if own_grads:
-            self._own_grads.add(len(self._units))
+            self._own_grads.add(self._count)
             grads = e.pinned_empty(max(1, trainable), torch.bfloat16)[:trainable]
         else:
-            grads = self._ring[len(self._units) % self._grad_slots][:trainable]
+            grads = self._ring[self._count % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         exp_avg = e.host_zeros(trainable, state_dtype)
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
@@ -95,15 +95,17 @@ class NativeBackend(Backend):
             unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum)
         else:
             unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq, accum=accum)
-        self._units.append(unit)
+        if unit != self._count:
+            raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
+        self._count += 1
         return layer
 
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        self._engine.wait_unit(self._units[index])  # its step writes the params we copy (GIL released)
+        self._engine.wait_unit(index)  # its step writes the params we copy (GIL released)
         return self._engine.copy(self._direction.H2D, dst, layer.params)
 
     def ready(self, index: int) -> bool:
-        return self._engine.ready(self._units[index])
+        return self._engine.ready(index)
 
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
@@ -123,7 +125,7 @@ class NativeBackend(Backend):
             self._flushed.clear()
 
     def grad_sq_norm(self) -> float:
-        units = [self._units[i] for i in sorted(self._flushed)]
+        units = sorted(self._flushed)
         # The last gradient copies may still be in flight: their accumulate jobs are queued only when
         # they land, and a norm job queued before them would read last micro-batch's sum.
         self._engine.wait_all()
@@ -134,7 +136,7 @@ class NativeBackend(Backend):
 
     def clipped_step(self, scale: float) -> None:
         for i in sorted(self._flushed):
-            self._engine.run(self._units[i], self._jobs.SCALE_STEP, scale)
+            self._engine.run(i, self._jobs.SCALE_STEP, scale)
         if not self.asynchronous:
             self._engine.wait_all()
 
@@ -144,7 +146,7 @@ class NativeBackend(Backend):
             owner = self._slot_owner[slot]
             if owner is not None and owner != index:
                 self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
-        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=self._units[index],
+        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index,
                                   job=self._job())
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
@@ -186,7 +188,7 @@ class NativeBackend(Backend):
         self._engine.fail_next_copy()
 
     def pending_units(self) -> list[int]:
-        return [i for i, unit in enumerate(self._units) if not self._engine.ready(unit)]
+        return [i for i in range(self._count) if not self._engine.ready(i)]
 
     def close(self) -> None:
         self._engine.synchronize()
