@@ -164,7 +164,7 @@ def _backend(name: str, layers: int = 3, **options: object) -> tuple[Backend, li
     host = [backend.new_layer(N, N) for _ in range(layers)]
     for k, layer in enumerate(host):
         layer.params.copy_(torch.randn(N, generator=torch.Generator().manual_seed(k)))
-    backend.begin_step(Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
+    backend.begin_step([Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)])
     backend.begin_micro(first=True, last=True)
     return backend, host
 

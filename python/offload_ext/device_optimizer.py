@@ -1,8 +1,9 @@
 """Device optimizer: the parameters outside the stacks, kept on the device and stepped there by
-torch's fused AdamW (on fp32 masters in "mixed"), with the Offloader's hyperparameters."""
+torch's fused AdamW (on fp32 masters in "mixed"), with the hyperparameters of each one's group."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 class DeviceOptimizer:
     def __init__(self, params: tuple[nn.Parameter, ...], model: nn.Module, device: torch.device,
-                 precision: str, hyper: dict[str, Any]) -> None:
+                 precision: str, hypers: list[dict[str, Any]], group_of: Callable[[nn.Parameter], int]) -> None:
         self.params = params
         self.mixed = precision == "mixed"
         self.trainable = [p for p in params if p.requires_grad]
@@ -20,15 +21,21 @@ class DeviceOptimizer:
             p.data = p.data.to(device, torch.bfloat16)
         model.to(device)  # buffers; the streamed parameters are already device placeholders
         stepped = self.masters if self.mixed else self.trainable
-        self.opt = torch.optim.AdamW(stepped, fused=True, **hyper) if stepped else None
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p, s in zip(self.trainable, stepped):
+            by_group.setdefault(group_of(p), []).append(s)
+        self.groups = sorted(by_group)  # the Offloader's group index of each torch group
+        torch_groups = [{"params": by_group[g], **hypers[g]} for g in self.groups]
+        self.opt = torch.optim.AdamW(torch_groups, fused=True) if torch_groups else None
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def step(self, hyper: dict[str, Any]) -> None:
+    def step(self, hypers: list[dict[str, Any]]) -> None:
         if self.opt is None:
             return
-        self.opt.param_groups[0].update(hyper)
+        for g, torch_group in zip(self.groups, self.opt.param_groups):
+            torch_group.update(hypers[g])
         if not self.mixed:
             self.opt.step()
             return

@@ -1,4 +1,4 @@
-"""Device ring: one group's layer buffers on the device, which layer each holds, and binding to them.
+"""Device ring: one part's layer buffers on the device, which layer each holds, and binding to them.
 
 Layer i of a stack uses buffer i % len(buffers). A layer is bound (its parameters' .data made views of
 its buffer) only after the compute stream waits for the copy that filled the buffer, so no kernel can
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from .backends import Backend, LayerBuffers
-from .layout import Group
+from .layout import Part
 
 
 class DeviceRing:
-    def __init__(self, group: Group, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
-        self.units = group.units
+    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
+        self.units = part.units
         self.host = host            # per position: the unit's host buffers
         self.backend = backend
         largest = max(u.numel for u in self.units)

@@ -12,30 +12,30 @@ from typing import Any, Callable
 from torch import nn
 
 from .backends import Backend, LayerBuffers
-from .layout import Group, Span
+from .layout import Part, Span
 
 
 class GradPath:
-    def __init__(self, group: Group, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
-        self.group = group
+    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
+        self.part = part
         self.host = host
         self.backend = backend
-        largest = max(1, max(u.trainable_numel for u in group.units))
+        largest = max(1, max(u.trainable_numel for u in part.units))
         self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
         self.drained: list[Any] = [None] * buffers                  # per buffer: its last copy to the host
-        self.received: list[set[int]] = [set() for _ in group.units]  # per position: offsets landed this backward
+        self.received: list[set[int]] = [set() for _ in part.units]  # per position: offsets landed this backward
 
     def hook(self) -> list[Any]:
         """Register the gradient hooks; returns their handles."""
         handles = []
-        for i, unit in enumerate(self.group.units):
+        for i, unit in enumerate(self.part.units):
             for s in unit.trainable_spans:
                 handles.append(s.param.register_post_accumulate_grad_hook(
                     lambda p, i=i, s=s: self._on_grad(i, s, p)))
         return handles
 
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
-        unit = self.group.units[i]
+        unit = self.part.units[i]
         b = i % len(self.buffers)
         if not self.received[i] and self.drained[b] is not None:
             self.backend.compute_wait(self.drained[b])  # the buffer's last copy to the host has landed
@@ -52,11 +52,11 @@ class GradPath:
         for i, received in enumerate(self.received):
             if not received:
                 continue
-            unit = self.group.units[i]
+            unit = self.part.units[i]
             missing = [name_of(s.param) for s in unit.trainable_spans if s.offset not in received]
             count = len(received)
             received.clear()
             raise RuntimeError(
-                f"Offloader: {self.group.name} [{i}] got gradients for only {count} of its {unit.trainable} "
+                f"Offloader: {self.part.name} [{i}] got gradients for only {count} of its {unit.trainable} "
                 f"trainable parameters (none for {missing[:4]}); freeze parameters that take no part in the loss "
                 "(p.requires_grad_(False)) before building the Offloader")

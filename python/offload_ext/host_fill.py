@@ -10,7 +10,7 @@ from .layout import Unit
 def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: bool = False) -> LayerBuffers:
     """Host buffers for `unit`, filled from its parameters (and fp32 masters from them in "mixed"); each
     parameter then holds an empty bf16 placeholder on `device` until a device buffer is bound to it."""
-    host = backend.new_layer(unit.numel, unit.trainable_numel, own_grads=own_grads)
+    host = backend.new_layer(unit.numel, unit.trainable_numel, own_grads=own_grads, groups=unit.group_ranges)
     for k, s in enumerate(unit.spans):
         src = s.param.detach().reshape(-1)
         host.params[s.offset:s.offset + s.numel].copy_(src)

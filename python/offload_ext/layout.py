@@ -1,13 +1,16 @@
 """Layout: the frozen plan of what the Offloader streams, fixed once before any buffer exists.
 
 Names used throughout the Offloader:
-- a *unit* is one group of parameters stepped together on the host: one streamed layer, or (with
+- a *unit* is the parameters stepped together on the host: one streamed layer, or (with
   offload_all) every parameter outside the stacks; `Unit.index` is its one global id, the backend's too;
 - a *span* is one parameter's place in its unit's flat buffers (trainable spans first, then frozen);
-- a *position* is a layer's place in its stack (forward order).
+- a *position* is a layer's place in its stack (forward order);
+- a *group* is a parameter group of the Offloader (its own lr, weight decay, ...): a unit's trainable
+  spans are ordered by group, so each group is one contiguous range of the unit's trainable prefix.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +30,9 @@ class Span:
 @dataclass(frozen=True, eq=False)
 class Unit:
     index: int
-    spans: tuple[Span, ...]   # trainable first, then frozen
+    spans: tuple[Span, ...]   # trainable first (ordered by group), then frozen
     trainable: int            # how many spans are trainable
+    group_ranges: tuple[tuple[int, int, int], ...]  # (param group, begin, end) over the trainable prefix
 
     @property
     def numel(self) -> int:
@@ -44,40 +48,51 @@ class Unit:
 
 
 @dataclass(frozen=True, eq=False)
-class Group:
-    """A stack of layers (one unit per layer, in forward order), or the parameters outside the stacks."""
+class Part:
+    """A part of the model the Offloader hosts: a stack of layers (one unit per layer, in forward order),
+    or the parameters outside the stacks (one unit)."""
 
     name: str
-    layers: tuple[nn.Module, ...]   # the streamed layers; empty for the group outside the stacks
+    layers: tuple[nn.Module, ...]   # the streamed layers; empty for the part outside the stacks
     units: tuple[Unit, ...]
 
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    stacks: tuple[Group, ...]
-    outside: Group | None                 # offload_all: the rest as one more host-stepped unit
+    stacks: tuple[Part, ...]
+    outside: Part | None                 # offload_all: the rest as one more host-stepped unit
     device_params: tuple[nn.Parameter, ...]  # otherwise the rest stays on the device, with a device AdamW
 
     @property
-    def groups(self) -> tuple[Group, ...]:
+    def parts(self) -> tuple[Part, ...]:
         return self.stacks + ((self.outside,) if self.outside is not None else ())
 
     @property
     def units(self) -> list[Unit]:
-        return [u for g in self.groups for u in g.units]
+        return [u for part in self.parts for u in part.units]
 
 
-def _unit(index: int, params: list[nn.Parameter]) -> Unit:
-    ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-    spans, offset = [], 0
+GroupOf = Callable[[nn.Parameter], int]
+
+
+def _unit(index: int, params: list[nn.Parameter], group_of: GroupOf) -> Unit:
+    trainable = sorted((p for p in params if p.requires_grad), key=group_of)  # stable: model order within a group
+    ordered = trainable + [p for p in params if not p.requires_grad]
+    spans, groups, offset = [], [], 0
     for p in ordered:
         spans.append(Span(p, offset, p.numel(), p.shape))
+        if p.requires_grad:
+            g = group_of(p)
+            if groups and groups[-1][0] == g:
+                groups[-1] = (g, groups[-1][1], offset + p.numel())
+            else:
+                groups.append((g, offset, offset + p.numel()))
         offset += p.numel()
-    return Unit(index, tuple(spans), sum(p.requires_grad for p in params))
+    return Unit(index, tuple(spans), len(trainable), tuple(groups))
 
 
-def plan_layout(model: nn.Module, offload_all: bool) -> Layout:
-    """Find the model's layer stacks and lay out every streamed parameter."""
+def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda p: 0) -> Layout:
+    """Find the model's layer stacks and lay out every streamed parameter (`group_of`: its param group)."""
     found = find_layer_stacks(model)
     if not found:
         raise ValueError(
@@ -87,11 +102,11 @@ def plan_layout(model: nn.Module, offload_all: bool) -> Layout:
     for name, stack in found:
         units = []
         for layer in stack:
-            units.append(_unit(index, list(layer.parameters())))
+            units.append(_unit(index, list(layer.parameters()), group_of))
             index += 1
-        stacks.append(Group(name, tuple(stack), tuple(units)))
+        stacks.append(Part(name, tuple(stack), tuple(units)))
     streamed = {id(p) for _, s in found for p in s.parameters()}
     rest = [p for p in model.parameters() if id(p) not in streamed]
     if offload_all and rest:
-        return Layout(tuple(stacks), Group("outside the stacks", (), (_unit(index, rest),)), ())
+        return Layout(tuple(stacks), Part("outside the stacks", (), (_unit(index, rest, group_of),)), ())
     return Layout(tuple(stacks), None, tuple(rest))

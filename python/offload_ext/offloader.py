@@ -10,6 +10,7 @@ backend runs. It is a torch.optim.Optimizer, so torch's LR schedulers drive its 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,17 +28,16 @@ from .layers import (
     unwrap_layer,
     wrap_layer,
 )
-from .layout import Group, Layout, plan_layout
+from .layout import Layout, Part, plan_layout
 from .options import Options, check_hyper, resolve_device
-from .state import check_state, host_state, load_host_state, model_weights
+from .param_groups import HYPER_KEYS, build_groups
+from .state import check_state, host_state, load_host_state, model_weights, span_names
 from .step_policy import StepPolicy
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
-
-def _sizes(groups: tuple[Group, ...]) -> list[tuple[int, int]]:
+def _sizes(parts: tuple[Part, ...]) -> list[tuple[int, int]]:
     """(numel, trainable numel) per unit, what a backend's prepare() is told."""
-    return [(u.numel, u.trainable_numel) for g in groups for u in g.units]
+    return [(u.numel, u.trainable_numel) for part in parts for u in part.units]
 
 
 class Offloader(torch.optim.Optimizer):
@@ -68,16 +68,20 @@ class Offloader(torch.optim.Optimizer):
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
         async_step: bool | None = None,
+        groups: Sequence[dict[str, Any]] | None = None,
+        no_decay: Sequence[str] = (),
     ) -> None:
         self.options = Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,
                                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
-        check_hyper(lr, betas, eps, weight_decay)
-        self.device = resolve_device(device)
-        self.layout: Layout = plan_layout(model, offload_all)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if not trainable:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        specs, group_of = build_groups(model, groups, no_decay)
+        for spec in specs:
+            check_hyper(**(defaults | {k: v for k, v in spec.items() if k != "params"}))
+        if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
-        super().__init__(trainable, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.device = resolve_device(device)
+        self.layout: Layout = plan_layout(model, offload_all, group_of)
+        super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
         self.last_step_wait = 0.0
@@ -95,12 +99,13 @@ class Offloader(torch.optim.Optimizer):
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
         t1 = time.perf_counter()
-        # The group outside the stacks has its own gradient buffer; layers may share a staging ring.
-        self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not g.layers)
-                                          for g in self.layout.groups for u in g.units]
+        # The part outside the stacks has its own gradient buffer; layers may share a staging ring.
+        self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers)
+                                          for part in self.layout.parts for u in part.units]
         self._rings, self._grad_paths = self._device_side(device_layers)
         t2 = time.perf_counter()
-        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision, self._hyper_dict())
+        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
+                                           self._hyper_dicts(), group_of)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         self._hooks = [h for path in self._grad_paths for h in path.hook()]
         for stack, ring in zip(self.layout.stacks, self._rings):
@@ -109,14 +114,14 @@ class Offloader(torch.optim.Optimizer):
         self._restart_rings()
 
     def _device_side(self, device_layers: int) -> tuple[list[DeviceRing], list[GradPath]]:
-        """Per group, the device buffers: `device_layers` for weights (one for the group outside the
+        """Per part, the device buffers: `device_layers` for weights (one for the part outside the
         stacks, bound throughout) and up to two for gradients."""
         rings, paths = [], []
-        for g in self.layout.groups:
-            host = [self._host[u.index] for u in g.units]
-            buffers = min(len(g.units), device_layers) if g.layers else 1
-            rings.append(DeviceRing(g, host, self._backend, buffers))
-            paths.append(GradPath(g, host, self._backend, min(2, buffers)))
+        for part in self.layout.parts:
+            host = [self._host[u.index] for u in part.units]
+            buffers = min(len(part.units), device_layers) if part.layers else 1
+            rings.append(DeviceRing(part, host, self._backend, buffers))
+            paths.append(GradPath(part, host, self._backend, min(2, buffers)))
         return rings, paths
 
     # ------------------------------------------------------------------ training API
@@ -138,14 +143,15 @@ class Offloader(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError("Offloader: already closed; build a new Offloader to train again")
 
-    def _hyper_dict(self) -> dict[str, Any]:
-        group = self.param_groups[0]
-        return {k: group[k] for k in _HYPER_KEYS}
+    def _hyper_dicts(self) -> list[dict[str, Any]]:
+        return [{k: group[k] for k in HYPER_KEYS} for group in self.param_groups]
 
-    def _hyper(self) -> Hyper:
-        h = self._hyper_dict()
-        check_hyper(**h)  # a scheduler or a user may have set them
-        return Hyper(h["lr"], h["betas"][0], h["betas"][1], h["eps"], h["weight_decay"], self._step + 1)
+    def _hypers(self) -> list[Hyper]:
+        hypers = []
+        for h in self._hyper_dicts():
+            check_hyper(**h)  # a scheduler or a user may have set them
+            hypers.append(Hyper(h["lr"], h["betas"][0], h["betas"][1], h["eps"], h["weight_decay"], self._step + 1))
+        return hypers
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with each streamed layer stepped on the host as soon as its grads land.
@@ -153,12 +159,12 @@ class Offloader(torch.optim.Optimizer):
         With grad_accum=N, call it N times per step(): the first N-1 only sum each layer's gradients on
         the host; the N-th steps each layer as its summed gradients are complete. With max_grad_norm,
         every layer's gradients are kept until step(), which clips by the global norm and then steps.
-        The hyperparameters are read from param_groups here, once per step's first backward().
+        The hyperparameters are read from param_groups here.
         """
         self._check_open()
-        hyper = self._hyper()
+        hypers = self._hypers()
         self._policy.begin_backward(self._backend)
-        self._backend.begin_step(hyper)
+        self._backend.begin_step(hypers)
         loss.backward()
 
     def step(self, closure: None = None) -> None:
@@ -176,7 +182,7 @@ class Offloader(torch.optim.Optimizer):
         for path in self._grad_paths:
             path.check_complete(lambda p: names.get(id(p), "?"))
         self._policy.finish_host_units(self._backend, self._device_opt.grads())
-        self._device_opt.step(self._hyper_dict())
+        self._device_opt.step(self._hyper_dicts())
         self._step += 1
         self._policy.end_step()
         self._restart_rings()
@@ -204,12 +210,13 @@ class Offloader(torch.optim.Optimizer):
         self._settle()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"step": self._step, "precision": self.precision, "param_groups": groups,
-                "layers": host_state(self._host), "outer": self._device_opt.state_dict()}
+                "spans": span_names(self.model, self.layout), "layers": host_state(self._host),
+                "outer": self._device_opt.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_open()
         self._settle()
-        check_state(state, self.precision)
+        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups))
         load_host_state(self._host, state["layers"])
         self._device_opt.load_state_dict(state["outer"])
         self._step = int(state["step"])

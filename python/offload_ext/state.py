@@ -32,10 +32,22 @@ def load_host_state(host: list[LayerBuffers], saved_units: list[dict[str, Any]])
             dst.copy_(saved[key])
 
 
-def check_state(state: dict[str, Any], precision: str) -> None:
+def span_names(model: nn.Module, layout: Layout) -> list[list[str]]:
+    """Per unit, the names of its parameters in buffer order (the order depends on the param groups)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names.get(id(s.param), "?") for s in unit.spans] for unit in layout.units]
+
+
+def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], groups: int) -> None:
     if state["precision"] != precision:
         raise ValueError(f"Offloader: state is for precision {state['precision']!r}, this Offloader uses "
                          f"{precision!r}")
+    if len(state["param_groups"]) != groups:
+        raise ValueError(f"Offloader: state has {len(state['param_groups'])} param groups, this Offloader {groups}: "
+                         "build it with the same groups / no_decay")
+    if state["spans"] != spans:
+        raise ValueError("Offloader: the state's parameters are laid out in another order (other param groups, or "
+                         "another model); build the Offloader with the same groups / no_decay as the saved one")
 
 
 def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> dict[str, torch.Tensor]:

@@ -55,8 +55,11 @@ class Backend(ABC):
         are units that will ask for a gradient buffer of their own."""
 
     @abstractmethod
-    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
-        """Host buffers for one layer: params (and master) for the caller to fill, zeroed moments."""
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
+                  groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
+        """Host buffers for one layer: params (and master) for the caller to fill, zeroed moments.
+        `groups`: (param group, begin, end) ranges over the trainable prefix, each stepped with its
+        group's hyperparameters (None: all of it in group 0)."""
 
     def device_buffer(self, numel: int) -> torch.Tensor:
         """A bf16 buffer on the (possibly simulated) device."""
@@ -80,8 +83,8 @@ class Backend(ABC):
         """Copy a layer's gathered grads device -> host once compute has produced them; then step it."""
 
     @abstractmethod
-    def begin_step(self, hyper: Hyper) -> None:
-        """Hyperparameters for the layers stepped in the coming backward."""
+    def begin_step(self, hypers: list[Hyper]) -> None:
+        """Hyperparameters, one per param group, for the layers stepped in the coming backward."""
 
     def begin_micro(self, first: bool, last: bool) -> None:
         """The coming backward is the first and/or last micro-batch of a step (gradient accumulation):

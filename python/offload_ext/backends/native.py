@@ -77,7 +77,8 @@ class NativeBackend(Backend):
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
+                  groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
         if own_grads:
@@ -91,10 +92,12 @@ class NativeBackend(Backend):
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
         accum = e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum)
+        ranges = list(groups or ())
         if self.precision == "mixed":
-            unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum)
+            unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum,
+                              groups=ranges)
         else:
-            unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq, accum=accum)
+            unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq, accum=accum, groups=ranges)
         if unit != self._count:
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1
@@ -154,9 +157,10 @@ class NativeBackend(Backend):
         self._flushed.add(index)
         return event
 
-    def begin_step(self, hyper: Hyper) -> None:
+    def begin_step(self, hypers: list[Hyper]) -> None:
         self._engine.check()  # a failed step from before surfaces here at the latest
-        self._engine.set_hyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step)
+        for group, h in enumerate(hypers):
+            self._engine.set_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, group=group)
 
     def finish_step(self) -> float:
         if self.asynchronous:

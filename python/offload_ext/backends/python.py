@@ -118,13 +118,15 @@ class PythonBackend(Backend):
         self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
         self._pin = device.type == "cuda"
         self._layers: list[LayerBuffers] = []
-        self._params: list[torch.nn.Parameter] = []     # what torch's AdamW steps, one per layer
+        # What torch's AdamW steps: per layer, (group, parameter, begin, end) for each group range.
+        self._params: list[list[tuple[int, torch.nn.Parameter, int, int]]] = []
         self._fp32_grads: list[torch.Tensor] = []       # mixed: grads upcast for torch's fp32 AdamW
         self._optimizer: torch.optim.AdamW | None = None
         self._pending: list[tuple[int, Any]] = []
         self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
         self._accumulated: set[int] = set()  # layers with a gradient sum this step
-        self._hyper: Hyper | None = None
+        self._hypers: list[Hyper] = []
+        self._torch_groups: list[int] = []
         self._arena: _PinnedArena | None = None
         self._copy_delay_us = 0  # testing aids: see Backend
         self._fail_next_copy = False
@@ -139,7 +141,8 @@ class PythonBackend(Backend):
         assert self._arena is not None, "prepare() was not called"
         return self._arena.take(numel)
 
-    def new_layer(self, numel: int, trainable: int, own_grads: bool = False) -> LayerBuffers:
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
+                  groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
         # Here every layer has a grad buffer of its own, so own_grads changes nothing.
         params = self._pinned(numel)
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
@@ -152,12 +155,13 @@ class PythonBackend(Backend):
             trainable=trainable,
             accum=torch.empty(trainable, dtype=torch.bfloat16) if self.accumulate else None,
         )
+        stepped = layer.master if self.precision == "mixed" else layer.trainable_params
         if self.precision == "mixed":
-            p = torch.nn.Parameter(layer.master)
             self._fp32_grads.append(torch.empty(trainable, dtype=torch.float32))
-        else:
-            p = torch.nn.Parameter(layer.trainable_params)
-        self._params.append(p)  # its .grad is set only while _step_layers steps it
+        # One torch parameter per group range (views), each in its group's torch param group; its .grad
+        # is set only while _step_layers steps it.
+        ranges = groups or ((0, 0, trainable),)
+        self._params.append([(g, torch.nn.Parameter(stepped[b:e]), b, e) for g, b, e in ranges])
         self._layers.append(layer)
         self._optimizer = None  # rebuilt lazily over all layers
         return layer
@@ -215,25 +219,29 @@ class PythonBackend(Backend):
             self._layers[i].accum.mul_(scale)
         self._step_layers(set(self._accumulated))
 
-    def begin_step(self, hyper: Hyper) -> None:
-        self._hyper = hyper
+    def begin_step(self, hypers: list[Hyper]) -> None:
+        self._hypers = hypers
 
     def _torch_optimizer(self) -> torch.optim.AdamW:
         if self._optimizer is None:
-            self._optimizer = torch.optim.AdamW(self._params, lr=1e-3, fused=True)
-            for p, layer in zip(self._params, self._layers):
-                # Share the layer's moment buffers so state_dict/load_state_dict see one truth.
-                self._optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": layer.exp_avg,
-                    "exp_avg_sq": layer.exp_avg_sq,
-                }
+            by_group: dict[int, list[torch.nn.Parameter]] = {}
+            for ranges in self._params:
+                for g, p, _, _ in ranges:
+                    by_group.setdefault(g, []).append(p)
+            self._torch_groups = sorted(by_group)  # the Offloader's group of each torch param group
+            self._optimizer = torch.optim.AdamW([{"params": by_group[g]} for g in self._torch_groups], lr=1e-3,
+                                                fused=True)
+            for ranges, layer in zip(self._params, self._layers):
+                for _, p, b, e in ranges:
+                    # Views of the layer's moment buffers, so state_dict/load_state_dict see one truth.
+                    self._optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": layer.exp_avg[b:e],
+                                                "exp_avg_sq": layer.exp_avg_sq[b:e]}
         return self._optimizer
 
     def finish_step(self) -> float:
         """Step each layer as soon as its gradient copy has landed, in arrival order, rather than
         waiting for every copy first."""
-        assert self._hyper is not None, "begin_step was not called"
+        assert self._hypers, "begin_step was not called"
         waited = 0.0
         pending, self._pending = self._pending, []
         for index, event in pending:
@@ -253,20 +261,22 @@ class PythonBackend(Backend):
         if self._fail_next_step:
             self._fail_next_step = False
             raise RuntimeError(f"PythonBackend: injected failure while stepping layers {sorted(stepped)}")
-        hyper = self._hyper
         opt = self._torch_optimizer()
-        group = opt.param_groups[0]
-        group.update(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
+        for g, group in zip(self._torch_groups, opt.param_groups):
+            h = self._hypers[g]
+            group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
         for i in stepped:  # torch's AdamW steps exactly the parameters that have a .grad
-            p, layer = self._params[i], self._layers[i]
-            opt.state[p]["step"].fill_(hyper.step - 1)  # torch's fused step increments it
+            layer = self._layers[i]
             grad = layer.accum if layer.accum is not None else layer.grads
             if self.precision == "mixed":
                 grad = self._fp32_grads[i].copy_(grad)
-            p.grad = grad
+            for _, p, b, e in self._params[i]:
+                opt.state[p]["step"].fill_(self._hypers[0].step - 1)  # torch's fused step increments it
+                p.grad = grad[b:e]
         opt.step()
         for i in stepped:
-            self._params[i].grad = None
+            for _, p, _, _ in self._params[i]:
+                p.grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
 

@@ -139,9 +139,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "nothing expected of the unit) when the copy cannot be enqueued.")
       .def("compute_wait", &Engine::compute_wait, py::arg("event"), Release())
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-           py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none())
+           py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
+           py::arg("groups") = std::vector<std::tuple<int, int64_t, int64_t>>{},
+           "A unit to step; `groups`: (parameter group, begin, end) ranges covering it, in order (default: all "
+           "of it in group 0).")
       .def("set_hyper", &Engine::set_hyper, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-           py::arg("weight_decay"), py::arg("step"))
+           py::arg("weight_decay"), py::arg("step"), py::arg("group") = 0)
       .def("notify", &Engine::notify, py::arg("unit"), "Queue a step of `unit` with gradients already in place.")
       .def("run", &Engine::run, py::arg("unit"), py::arg("job"), py::arg("scale") = 1.0f,
            "Queue Job.NORM or Job.SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).")

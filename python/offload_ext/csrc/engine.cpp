@@ -127,7 +127,8 @@ void Engine::compute_wait(const std::shared_ptr<Event>& e) {
 
 int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-                     const std::optional<at::Tensor>& accum) {
+                     const std::optional<at::Tensor>& accum,
+                     const std::vector<std::tuple<int, int64_t, int64_t>>& groups) {
   StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
   if (accum.has_value()) {
     check_span("Engine.add_unit", *accum, "accum", u.numel);
@@ -136,13 +137,21 @@ int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::
                 grad.scalar_type(), " and accum ", accum->scalar_type());
     u.accum = reinterpret_cast<uint16_t*>(accum->data_ptr());
   }
-  return scheduler_->add_unit(u);
+  std::vector<GroupRange> ranges;
+  for (const auto& [group, begin, end] : groups) ranges.push_back({group, begin, end});
+  try {
+    return scheduler_->add_unit(u, std::move(ranges));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "Engine.add_unit: ", e.what());
+  }
 }
 
-void Engine::set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+void Engine::set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                       int group) {
   TORCH_CHECK(step >= 1, "Engine.set_hyper: expected step >= 1 (the 1-based count for bias correction), got ",
               num(step));
-  scheduler_->set_hyper({lr, beta1, beta2, eps, weight_decay, step});
+  TORCH_CHECK(group >= 0, "Engine.set_hyper: expected a parameter group >= 0, got ", num(static_cast<int64_t>(group)));
+  scheduler_->set_hyper(group, {lr, beta1, beta2, eps, weight_decay, step});
 }
 
 void Engine::notify(int unit) {

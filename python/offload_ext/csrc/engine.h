@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "copy_engine.h"
 #include "pinned_pool.h"
@@ -38,8 +40,9 @@ class Engine {
 
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-               const std::optional<at::Tensor>& accum);
-  void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
+               const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups);
+  // Hyperparameters of parameter group `group` for the units notified from now on.
+  void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int group);
   // Queues a step of `unit` whose gradients are already in place.
   void notify(int unit);
   // Queues NORM or SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).

@@ -25,9 +25,24 @@ StepScheduler::~StepScheduler() {
   thread_.join();
 }
 
-int StepScheduler::add_unit(const StepUnit& unit) {
+int StepScheduler::add_unit(const StepUnit& unit, std::vector<GroupRange> groups) {
+  if (groups.empty()) groups.push_back({0, 0, unit.numel});
+  int64_t next = 0;
+  for (const GroupRange& g : groups) {
+    if (g.group < 0 || g.begin != next || g.end < g.begin) {
+      throw std::invalid_argument("StepScheduler: group ranges must be contiguous, in order, from element 0, with "
+                                  "groups >= 0; got group " + std::to_string(g.group) + " at [" +
+                                  std::to_string(g.begin) + ", " + std::to_string(g.end) + ")");
+    }
+    next = g.end;
+  }
+  if (next != unit.numel) {
+    throw std::invalid_argument("StepScheduler: group ranges end at element " + std::to_string(next) +
+                                " but the unit has " + std::to_string(unit.numel));
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   units_.push_back(unit);
+  groups_.push_back(std::move(groups));
   expected_.push_back(0);
   stepped_.push_back(0);
   sq_norms_.push_back(0.0);
@@ -35,9 +50,11 @@ int StepScheduler::add_unit(const StepUnit& unit) {
   return static_cast<int>(units_.size()) - 1;
 }
 
-void StepScheduler::set_hyper(const AdamWHyper& h) {
+void StepScheduler::set_hyper(int group, const AdamWHyper& h) {
+  if (group < 0) throw std::invalid_argument("StepScheduler: group must be >= 0, got " + std::to_string(group));
   std::lock_guard<std::mutex> lock(mutex_);
-  hyper_ = h;
+  if (static_cast<size_t>(group) >= hypers_.size()) hypers_.resize(static_cast<size_t>(group) + 1);
+  hypers_[static_cast<size_t>(group)] = h;
 }
 
 void StepScheduler::expect(int id) {
@@ -67,7 +84,7 @@ void StepScheduler::notify(int id, Job job, float scale) {
       error_ = std::make_exception_ptr(std::invalid_argument(
           "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
     }
-    queue_.push_back({id, hyper_, job, scale});
+    queue_.push_back({id, hypers_, job, scale});
   }
   work_cv_.notify_one();
 }
@@ -134,7 +151,9 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
 
 }  // namespace
 
-void StepScheduler::run(const StepUnit& unit, const Queued& job) {
+void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
+                        const Queued& job) {
+  const StepUnit unit = sub_unit(whole, begin, end);
   const auto* landed = static_cast<const uint16_t*>(unit.grad);
   switch (job.job) {
     case Job::kAccumulateFirst:
@@ -158,7 +177,18 @@ void StepScheduler::run(const StepUnit& unit, const Queued& job) {
     case Job::kStep:
       break;
   }
-  adamw_unit(unit, job.job == Job::kStep ? unit.grad : unit.accum, job.hyper, *pool_);
+  // AdamW is elementwise: stepping the slice piece by piece, each with its group's hyperparameters,
+  // gives the same values as one pass would with those hyperparameters.
+  for (const GroupRange& g : groups) {
+    const int64_t a = std::max(begin, g.begin), b = std::min(end, g.end);
+    if (a >= b) continue;
+    if (static_cast<size_t>(g.group) >= job.hypers.size()) {
+      throw std::runtime_error("StepScheduler: no hyperparameters set for parameter group " + std::to_string(g.group));
+    }
+    const StepUnit piece = sub_unit(whole, a, b);
+    adamw_unit(piece, job.job == Job::kStep ? piece.grad : piece.accum, job.hypers[static_cast<size_t>(g.group)],
+               *pool_);
+  }
 }
 
 void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool) {
@@ -178,6 +208,7 @@ void StepScheduler::loop() {
     Queued job;
     bool skip;
     StepUnit unit;
+    std::vector<GroupRange> groups;
     int delay_us;
     int64_t end;
     std::exception_ptr failure;
@@ -190,6 +221,7 @@ void StepScheduler::loop() {
       queue_.erase(next);
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
       unit = units_[job.unit];
+      groups = groups_[job.unit];
       delay_us = debug_step_delay_us_;
       // A norm is one sum in a fixed order; a skipped job is done at once.
       end = job.job == Job::kNorm || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
@@ -204,7 +236,7 @@ void StepScheduler::loop() {
     if (!skip) {
       if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       try {
-        run(sub_unit(unit, job.begin, end), job);
+        run(unit, groups, job.begin, end, job);
       } catch (...) {
         failure = std::current_exception();
       }

@@ -33,6 +33,13 @@ struct StepUnit {
   int64_t numel;
 };
 
+// Elements [begin, end) of a unit stepped with the hyperparameters of parameter group `group`.
+struct GroupRange {
+  int group;
+  int64_t begin;
+  int64_t end;
+};
+
 // One fused AdamW pass over a unit's span with gradient `grad` (its landed copy or its accumulator).
 void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool);
 
@@ -59,9 +66,11 @@ class StepScheduler {
   StepScheduler(const StepScheduler&) = delete;
   StepScheduler& operator=(const StepScheduler&) = delete;
 
-  int add_unit(const StepUnit& unit);
-  // Hyperparameters for the units notified from now on (a schedule changes lr per step).
-  void set_hyper(const AdamWHyper& h);
+  // `groups` split the unit into contiguous ranges, in order, covering it; empty: all of it in group 0.
+  int add_unit(const StepUnit& unit, std::vector<GroupRange> groups = {});
+  // Hyperparameters of parameter group `group` for the units notified from now on (a schedule changes
+  // lr per step; groups differ in lr or weight decay).
+  void set_hyper(int group, const AdamWHyper& h);
   // A step of unit `id` is on its way (its gradient copy is enqueued): waits cover it from now on,
   // even before the copy lands and calls notify.
   void expect(int id);
@@ -93,14 +102,16 @@ class StepScheduler {
  private:
   struct Queued {
     int unit;
-    AdamWHyper hyper;
+    std::vector<AdamWHyper> hypers;  // per group, as set when the job was queued
     Job job;
     float scale;
     int64_t begin = 0;  // elements done by earlier slices
   };
   void loop();
   std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
-  void run(const StepUnit& unit, const Queued& job);
+  // The job's work on elements [begin, end) of `unit`; its AdamW pass split by the unit's group ranges.
+  void run(const StepUnit& unit, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
+           const Queued& job);
   void rethrow_locked();
   void check_unit_locked(int id) const;  // requires mutex_; throws std::out_of_range for an unknown unit
   // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
@@ -109,11 +120,12 @@ class StepScheduler {
 
   std::shared_ptr<ThreadPool> pool_;
   std::vector<StepUnit> units_;
+  std::vector<std::vector<GroupRange>> groups_;  // per unit
   std::vector<int64_t> expected_;  // per unit: steps announced by expect()
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
   std::vector<double> sq_norms_;   // per unit: the last kNorm result
   std::vector<int> waiters_;       // per unit: callers blocked in wait()
-  AdamWHyper hyper_{};
+  std::vector<AdamWHyper> hypers_;  // per parameter group
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
