@@ -411,3 +411,76 @@ def test_building_an_offloader_raises_no_deprecation_warnings() -> None:
         off = offload_ext.Offloader(model, backend="native", device="cpu")
         offloaded_training(off, model, batches(1))
         off.close()
+
+
+def _norms_exempt(name: str) -> dict:
+    return {"weight_decay": 0.0} if "norm" in name else {}  # tiny_llama has no biases
+
+
+@pytest.mark.parametrize("offload_all", [False, True])
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_no_decay_groups_train_like_torch_adamw_with_the_same_groups(backend, precision, offload_all) -> None:
+    base = tiny_llama(layers=3)
+    ref_losses, ref_model = reference_training(base, batches(4), precision, LR, WD, group_of=_norms_exempt)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
+                                offload_all=offload_all, no_decay=("bias", "norm"))
+    exempt = {id(p) for p in off.param_groups[1]["params"]}
+    assert {n for n, p in model.named_parameters() if id(p) in exempt} == {
+        n for n, _ in model.named_parameters() if "norm" in n}
+    assert off.param_groups[1]["weight_decay"] == 0.0 and off.param_groups[0]["weight_decay"] == WD
+    losses = offloaded_training(off, model, batches(4))
+    off.close()
+    if offload_all:  # the embeddings, final norm and head stepped on the host: to the host kernel's rounding
+        assert losses == pytest.approx(ref_losses, rel=1e-3)
+        for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            assert bf16_ulp_distance(a, b).max().item() <= 2, name
+        return
+    assert losses == ref_losses
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_per_group_lr_under_a_scheduler_trains_like_torch_adamw(backend) -> None:
+    base = tiny_llama(layers=3)
+    decay = lambda step: 1.0 / (1 + step)  # noqa: E731
+    mlp = lambda name: {"lr": LR / 4} if ".mlp." in name else {}  # noqa: E731
+    ref_losses, ref_model = reference_training(base, batches(4), "bf16", LR, WD, lr_lambda=decay, group_of=mlp)
+    model = copy.deepcopy(base)
+    mlp_params = [p for n, p in model.named_parameters() if ".mlp." in n]
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend=backend, device="cpu",
+                                groups=[{"params": mlp_params, "lr": LR / 4}])
+    schedule = torch.optim.lr_scheduler.LambdaLR(off, decay)
+    assert offloaded_training(off, model, batches(4), schedule=schedule) == ref_losses
+    assert [g["lr"] for g in off.param_groups] == pytest.approx([LR / 5, LR / 20])
+    off.close()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_bad_groups_are_refused_before_anything_is_allocated() -> None:
+    model = tiny_llama(layers=2)
+    w = model.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(ValueError, match="in groups\\[0\\] and groups\\[1\\]"):
+        offload_ext.Offloader(model, device="cpu", groups=[{"params": [w]}, {"params": [w]}])
+    with pytest.raises(ValueError, match="only \\('lr', 'betas', 'eps', 'weight_decay'\\)"):
+        offload_ext.Offloader(model, device="cpu", groups=[{"params": [w], "momentum": 0.9}])
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        offload_ext.Offloader(model, device="cpu", groups=[{"params": [torch.nn.Parameter(torch.zeros(2))]}])
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        offload_ext.Offloader(model, device="cpu", groups=[{"params": [w], "weight_decay": -1.0}])
+    assert all(p.numel() > 0 for p in model.parameters())  # nothing was moved out of the model
+
+
+def test_a_state_saved_with_other_param_groups_is_refused() -> None:
+    base = tiny_llama(layers=2)
+    model = copy.deepcopy(base)
+    with offload_ext.Offloader(model, device="cpu", no_decay=("norm",)) as off:
+        offloaded_training(off, model, batches(1))
+        saved = off.state_dict()
+    other = copy.deepcopy(base)
+    with offload_ext.Offloader(other, device="cpu") as off2:
+        with pytest.raises(ValueError, match="param groups"):
+            off2.load_state_dict(saved)
