@@ -164,3 +164,13 @@ def test_a_pretrained_model_directory_without_a_tokenizer_is_refused_with_the_fi
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"--model {model_dir}: the directory has no tokenizer" in err and "--tokenizer" in err
+
+
+@pytest.mark.parametrize("no_decay, decays", [(None, [0.1, 0.0]), ("", [0.1])])
+def test_weight_decay_spares_biases_and_norms_unless_told_otherwise(tmp_path, no_decay, decays) -> None:
+    out = str(tmp_path / "run")
+    extra = [] if no_decay is None else ["--no-decay", no_decay]
+    train.run(train.parse_args(["--out", out, "--device", "cpu-sim", "--steps", "2", "--batch-size", "2",
+                                "--seq-len", "16", "--weight-decay", "0.1", *extra]))
+    state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)
+    assert [g["weight_decay"] for g in state["engine"]["param_groups"]] == decays

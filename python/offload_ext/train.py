@@ -46,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="default 200 on a GPU, 60 on a CPU")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine decay to 10%%")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--weight-decay", type=float, default=0.0,
+                    help="decoupled weight decay of every parameter --no-decay does not name")
+    ap.add_argument("--no-decay", default="bias,norm",
+                    help="comma-separated name parts: parameters whose name or module class contains one get no "
+                         "weight decay (HF Trainer's rule: biases and norm weights); '' decays all")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="clip by the global gradient norm (with offload, the host steps then wait for backward)")
     ap.add_argument("--backend", choices=["none", "python", "native"], default="native",

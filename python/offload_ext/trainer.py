@@ -14,7 +14,13 @@ import torch
 from . import data as data_mod
 from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss
+from .param_groups import build_groups
 from .train_setup import UsageError
+
+
+def no_decay_patterns(args: argparse.Namespace) -> tuple[str, ...]:
+    """--no-decay as the patterns of the parameters --weight-decay spares (HF Trainer's rule by default)."""
+    return tuple(p.strip() for p in args.no_decay.split(",") if p.strip())
 
 
 def lr_factor(args: argparse.Namespace, step: int) -> float:
@@ -40,7 +46,7 @@ class Trainer:
             self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
                                  backend=args.backend, device=device, compile_layers=args.compile,
                                  offload_all=args.offload_all, grad_accum=args.grad_accum,
-                                 max_grad_norm=args.max_grad_norm)
+                                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args))
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
@@ -69,7 +75,7 @@ class Trainer:
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
-        params = [p for p in model.parameters() if p.requires_grad]
+        params, _ = build_groups(model, None, no_decay_patterns(a))  # the Offloader's groups, for torch's AdamW
         if self.device.type == "cuda" and a.precision == "mixed":
             raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
                              "use --backend native, or --precision bf16 with --backend none")
