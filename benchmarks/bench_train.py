@@ -7,13 +7,19 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is backend-precision[-tN][-gN][-dN][-whole][-sync]: tN engine threads, gN gradient slots, dN
-device_layers, whole for host steps not sliced (one unit at a time, as before slicing), sync for
-async_step=False (e.g. native-mixed-g6-sync). The host busy column is the engine's stepping time per
-step; step minus busy is the time the host had nothing to step.
+A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-whole][-sync][-recipe]: tN engine
+threads, gN gradient slots, dN device_layers, whole for host steps not sliced (one unit at a time, as
+before slicing), sync for async_step=False (e.g. native-mixed-g6-sync). The recipe suffixes, on
+offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
+(max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
+per step). Each offloaded mode's ratio is to the resident mode of the same recipe when the run has one.
+The host busy column is the engine's stepping time per step; step minus busy is the time the host had
+nothing to step.
 
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
+    python benchmarks/bench_train.py --modes resident-clipall,native-bf16-clipall,resident-accum2,native-bf16-accum2
+    python benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --modes resident,native-bf16   # B2, capped
     python benchmarks/bench_train.py --layers 2 --hidden 256 --intermediate 512 --seq 256  # smoke run
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from typing import Any, Iterator
@@ -35,23 +42,72 @@ MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-m
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
 
 
+# Model and batch shapes: B1 = Llama-3.2-1B (tied embeddings), B2 = Llama-3.1-8B (untied).
+PRESETS = {
+    "b1": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, batch=4, seq=2048,
+               untied=False),
+    "b2": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=2, seq=4096,
+               untied=True),
+}
+CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    backend: str                   # "resident", "python" or "native"
+    precision: str = "bf16"
+    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync
+    clip: str | None = None        # a key of CLIP_NORMS
+    accum: int = 1
+
+    @classmethod
+    def parse(cls, name: str) -> "Mode":
+        backend, *rest = name.split("-")
+        precision = "bf16"
+        if backend != "resident":
+            if not rest:
+                raise SystemExit(f"bench_train: mode {name!r} needs a precision (e.g. native-bf16)")
+            precision, rest = rest[0], rest[1:]
+        clip = next((o for o in rest if o in CLIP_NORMS), None)
+        accum = next((int(o[5:]) for o in rest if o.startswith("accum")), 1)
+        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith("accum"))
+        return cls(name, backend, precision, options, clip, accum)
+
+    def option(self, prefix: str) -> int | None:
+        return next((int(o[len(prefix):]) for o in self.options if o.startswith(prefix) and o[len(prefix):].isdigit()),
+                    None)
+
+    @property
+    def recipe(self) -> tuple[str | None, int]:
+        return self.clip, self.accum
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return CLIP_NORMS[self.clip] if self.clip else None
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="b1", help="shape defaults (flags below override)")
+    for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab", "batch", "seq"):
+        ap.add_argument(f"--{name}", type=int, default=None)
+    ap.add_argument("--untied", action="store_true", default=None, help="untied embeddings (B2's default)")
+    ap.add_argument("--gpu-cap-gb", type=float, default=None,
+                    help="cap the offloaded modes' GPU memory (resident modes run uncapped)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--stem", default=None)
-    return ap.parse_args()
+    a = ap.parse_args()
+    for key, value in PRESETS[a.preset].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    return a
 
 
 @contextlib.contextmanager
@@ -81,7 +137,8 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=True, rope_theta=500000.0)
+                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
+                      rope_theta=500000.0)
     with _parameters_on_meta():
         model = LlamaForCausalLM(cfg)
     torch.manual_seed(0)
@@ -99,65 +156,91 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+def _setup(mode: Mode, base: torch.nn.Module, a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
+    """(model, Offloader or None, device optimizer or None) for `mode`, GPU memory capped for offload."""
     model = copy.deepcopy(base)
-    t0 = time.perf_counter()
-    if mode == "resident":
-        model.to("cuda")
+    if a.device == "cuda":
+        cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
+        torch.cuda.set_per_process_memory_fraction(1.0 if mode.backend == "resident" else min(1.0, cap))
+    if mode.backend == "resident":
+        model.to(a.device)
         offload_ext.enable_activation_checkpointing(model)
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
-        off = None
+        return model, None, torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
+    off = offload_ext.Offloader(model, lr=a.lr, precision=mode.precision, backend=mode.backend, device=a.device,
+                                compile_layers=a.compile, num_threads=mode.option("t"),
+                                grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
+                                async_step=False if "sync" in mode.options else None,
+                                slice_elements=1 << 62 if "whole" in mode.options else None,
+                                grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm)
+    return model, off, None
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor]) -> tuple:
+    """One step over the micro-batches: (loss, summed synchronised forward seconds, whether it clipped)."""
+    loss_sum, t_fwd = 0.0, 0.0
+    for tokens in micro:
+        t0 = time.perf_counter()
+        loss = offload_ext.causal_lm_loss(model, tokens) / len(micro)
+        _sync()
+        t_fwd += time.perf_counter() - t0
+        off.backward(loss) if off is not None else loss.backward()
+        loss_sum += loss.item()
+    if off is not None:
+        off.step()
+        off.zero_grad()
+        norm = off.last_grad_norm
     else:
-        backend, precision, *options = mode.split("-")
-        threads = [int(o[1:]) for o in options if o.startswith("t")]
-        slots = [int(o[1:]) for o in options if o.startswith("g")]
-        device_layers = [int(o[1:]) for o in options if o.startswith("d")]
-        off = offload_ext.Offloader(model, lr=a.lr, precision=precision, backend=backend, device="cuda",
-                                    compile_layers=a.compile, num_threads=threads[0] if threads else None,
-                                    grad_slots=slots[0] if slots else None,
-                                    device_layers=device_layers[0] if device_layers else 2,
-                                    async_step=False if "sync" in options else None,
-                                    slice_elements=1 << 62 if "whole" in options else None)
-    torch.cuda.synchronize()
+        norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), mode.max_grad_norm))
+                if mode.max_grad_norm is not None else None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    clipped = norm is not None and norm > mode.max_grad_norm
+    return loss_sum, t_fwd, clipped
+
+
+def run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if a.batch % mode.accum:
+        raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} micro-batches")
+    micro = list(tokens.chunk(mode.accum))
+    t0 = time.perf_counter()
+    model, off, opt = _setup(mode, base, a)
+    _sync()
     setup = time.perf_counter() - t0
     model.train()
-    steps, forwards, waits, losses, busy = [], [], [], [], []
+    steps, forwards, waits, losses, busy, clipped = [], [], [], [], [], []
     for k in range(a.warmup + a.steps):
         before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
-        loss = offload_ext.causal_lm_loss(model, tokens)
-        torch.cuda.synchronize()
-        t_fwd = time.perf_counter() - t0
-        if off is None:
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            off.backward(loss)
-            off.step()
-            off.zero_grad()
-        torch.cuda.synchronize()
-        losses.append(loss.item())
+        loss, t_fwd, did_clip = _train_step(mode, model, off, opt, micro)
+        _sync()
+        losses.append(loss)
         if k >= a.warmup:
             steps.append(time.perf_counter() - t0)
             forwards.append(t_fwd)
+            clipped.append(did_clip)
             # Time the Python thread was blocked on host work: in step() (python backend, native with
             # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
             after = off.stats() if off is not None else {}
             waits.append(max(off.last_step_wait, after["host_wait_s"] - before["host_wait_s"]) if off is not None
                          else 0.0)
             busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
-    peak = torch.cuda.max_memory_allocated() / 1e9
-    row = {"mode": mode, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
+    peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0
+    row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
-           "gpu_peak_gb": peak, "losses": losses,
-           "tokens_per_s": tokens.numel() / statistics.median(steps)}
-    if mode.startswith("native-mixed"):
+           "gpu_peak_gb": peak, "losses": losses, "tokens_per_s": tokens.numel() / statistics.median(steps),
+           "clipped_fraction": sum(clipped) / len(clipped) if mode.clip else None}
+    if off is not None and mode.precision == "mixed" and mode.backend == "native":
         row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
     if off is not None:
         row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
@@ -165,7 +248,7 @@ def run_mode(mode: str, base: torch.nn.Module, a: argparse.Namespace, tokens: to
         off.close()
     del model
     parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
-    print(f"  {mode:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s  wait {row['step_wait_s']:.4f} s"
+    print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s  wait {row['step_wait_s']:.4f} s"
           f"  busy {row['host_busy_s']:.4f} s"
           f"  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
     return row
@@ -188,22 +271,25 @@ def time_mixed_kernel(off) -> float:
 
 def main() -> None:
     a = parse()
-    modes = [m for m in a.modes.split(",") if m]
+    modes = [Mode.parse(m) for m in a.modes.split(",") if m]
     base = build_model(a)
     n_params = sum(p.numel() for p in base.parameters())
-    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).cuda()
-    print(f"B1: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch {a.batch} x {a.seq}, "
-          f"compile={a.compile}", flush=True)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
+    print(f"{a.preset.upper()}: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
+          f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)
     rows = [run_mode(m, base, a, tokens) for m in modes]
-    resident = next((r for r in rows if r["mode"] == "resident"), None)
-    lines = ["| mode | s/step | tok/s | vs resident (time) | forward s | host wait s | host busy s | set-up s | "
-             "GPU peak GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        ratio = r["step_s"] / resident["step_s"] if resident else float("nan")
-        r["time_ratio_vs_resident"] = ratio
+    residents = {m.recipe: r for m, r in zip(modes, rows) if m.backend == "resident"}
+    resident = residents.get((None, 1))
+    lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "
+             "set-up s | GPU peak GB | steps clipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, r in zip(modes, rows):
+        peer = residents.get(m.recipe)
+        ratio = r["step_s"] / peer["step_s"] if peer else float("nan")
+        r["time_ratio_vs_resident"], r["resident_peer"] = ratio, peer["mode"] if peer else None
+        frac = f"{r['clipped_fraction']:.0%}" if r["clipped_fraction"] is not None else "-"
         lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
                      f"{r['forward_s']:.4f} | {r['step_wait_s']:.4f} | {r['host_busy_s']:.4f} | {r['setup_s']:.2f} | "
-                     f"{r['gpu_peak_gb']:.2f} |")
+                     f"{r['gpu_peak_gb']:.2f} | {frac} |")
     for mixed in (r for r in rows if "a1_mixed_kernel_s" in r):
         # The forward of the GPU-resident run when there is one: the offloaded forward can include
         # waiting for host steps left over from the previous backward.
@@ -213,7 +299,7 @@ def main() -> None:
                       f"({fwd:.4f} + 1.1 x {mixed['a1_mixed_kernel_s']:.4f}) = {bound:.4f} s"]
     markdown = "\n".join(lines)
     print("\n" + markdown)
-    stem = a.stem or ("train_b1_compile" if a.compile else "train_b1")
+    stem = a.stem or f"train_{a.preset}" + ("_compile" if a.compile else "")
     for path in _common.write_results(stem, {"args": vars(a), "params": n_params, "rows": rows}, markdown):
         print(f"wrote {path}")
 
