@@ -6,12 +6,14 @@ read a layer before it has landed, in forward and in checkpoint recompute alike.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from .backends import Backend, LayerBuffers
 from .layout import Part
+from .timeline import Timeline
 
 
 class DeviceRing:
@@ -24,6 +26,7 @@ class DeviceRing:
         self.holds: list[int | None] = [None] * buffers  # per buffer: the position whose weights it holds
         self.filled: list[Any] = [None] * buffers        # per buffer: the copy that filled it
         self.copies = 0                                   # host-to-device layer copies so far
+        self.timeline: Timeline | None = None             # set while the Offloader traces
 
     def __len__(self) -> int:
         return len(self.units)
@@ -48,6 +51,8 @@ class DeviceRing:
         if self.holds[b] != i:
             self.load(i)
         self.backend.compute_wait(self.filled[b])
+        if self.timeline is not None:
+            self.timeline.mark("python", f"bind u{self.units[i].index}", time.monotonic_ns(), unit=self.units[i].index)
         buf = self.buffers[b]
         for s in self.units[i].spans:
             s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)

@@ -9,8 +9,9 @@ backend runs. It is a torch.optim.Optimizer, so torch's LR schedulers drive its 
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
 from .state import check_state, host_state, load_host_state, model_weights, span_names
 from .step_policy import StepPolicy
+from .timeline import Timeline
 
 
 def _sizes(parts: tuple[Part, ...]) -> list[tuple[int, int]]:
@@ -87,6 +89,7 @@ class Offloader(torch.optim.Optimizer):
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
+        self._timeline: Timeline | None = None
         self._policy = StepPolicy(grad_accum, max_grad_norm)
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
@@ -165,7 +168,8 @@ class Offloader(torch.optim.Optimizer):
         hypers = self._hypers()
         self._policy.begin_backward(self._backend)
         self._backend.begin_step(hypers)
-        loss.backward()
+        with self._span("backward"):
+            loss.backward()
 
     def step(self, closure: None = None) -> None:
         """Finish the host steps of this backward, step the device parameters, prefetch layer 0.
@@ -177,6 +181,10 @@ class Offloader(torch.optim.Optimizer):
             raise ValueError("Offloader.step: closures are not supported; call backward() then step()")
         self._check_open()
         self._policy.check_step()
+        with self._span("step"):
+            self._finish_step()
+
+    def _finish_step(self) -> None:
         self.last_step_wait = self._backend.finish_step()
         names = {id(p): n for n, p in self.model.named_parameters()}
         for path in self._grad_paths:
@@ -186,6 +194,34 @@ class Offloader(torch.optim.Optimizer):
         self._step += 1
         self._policy.end_step()
         self._restart_rings()
+
+    def _span(self, name: str) -> contextlib.AbstractContextManager:
+        return self._timeline.span("python", name) if self._timeline is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def trace(self, path: str | None = None) -> Iterator[Timeline]:
+        """Record a timeline of what runs inside the block (see offload_ext.timeline); at its end the host
+        steps still running are waited for, so they are on it, and it is written to `path` when given."""
+        self._check_open()
+        if self._timeline is not None:
+            raise RuntimeError("Offloader.trace: already tracing; nest no second trace() inside the first")
+        timeline = Timeline()
+        self._set_timeline(timeline)
+        self._backend.start_trace()
+        try:
+            yield timeline
+        finally:
+            if not self._policy.micro:
+                self._backend.settle()
+            timeline.extend(self._backend.stop_trace())
+            self._set_timeline(None)
+        if path is not None:
+            timeline.write(path)
+
+    def _set_timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        for ring in self._rings:
+            ring.timeline = timeline
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Streamed layers' grads are consumed by their hooks; this clears the device parameters'."""

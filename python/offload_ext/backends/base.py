@@ -138,5 +138,12 @@ class Backend(ABC):
         """Indices (in new_layer order) of the layers whose host step is not finished."""
         raise NotImplementedError(f"{type(self).__name__} cannot report pending host steps")
 
+    def start_trace(self) -> None:
+        """Record the backend's timeline (copies, host steps, waits) from now on."""
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        """Stop recording; the events as (lane, name, begin_ns, end_ns, unit) on time.monotonic_ns()."""
+        return []
+
     def close(self) -> None:
         pass

@@ -104,8 +104,9 @@ class NativeBackend(Backend):
         return layer
 
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        self._engine.wait_unit(index)  # its step writes the params we copy (GIL released)
-        return self._engine.copy(self._direction.H2D, dst, layer.params)
+        # Its step writes the params we copy (the wait releases the GIL).
+        self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device")
+        return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index)
 
     def ready(self, index: int) -> bool:
         return self._engine.ready(index)
@@ -148,7 +149,9 @@ class NativeBackend(Backend):
         if slot is not None:
             owner = self._slot_owner[slot]
             if owner is not None and owner != index:
-                self._engine.wait_unit(owner)  # its step still reads this slot (GIL released while waiting)
+                # Its step still reads this slot (the wait releases the GIL).
+                reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
+                self._engine.wait_unit(owner, reason=reason)
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index,
                                   job=self._job())
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
@@ -193,6 +196,12 @@ class NativeBackend(Backend):
 
     def pending_units(self) -> list[int]:
         return [i for i in range(self._count) if not self._engine.ready(i)]
+
+    def start_trace(self) -> None:
+        self._engine.start_trace()
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        return [tuple(e) for e in self._engine.stop_trace()]
 
     def close(self) -> None:
         self._engine.synchronize()

@@ -12,6 +12,7 @@ page-lock it in the driver page by page (2-3 s for B1's 4 GB).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import weakref
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..timeline import Timeline
 from .base import Backend, Hyper, LayerBuffers
 
 
@@ -126,6 +128,7 @@ class PythonBackend(Backend):
         self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
         self._accumulated: set[int] = set()  # layers with a gradient sum this step
         self._hypers: list[Hyper] = []
+        self._timeline: Timeline | None = None  # while tracing: its own host steps and waits
         self._torch_groups: list[int] = []
         self._arena: _PinnedArena | None = None
         self._copy_delay_us = 0  # testing aids: see Backend
@@ -246,11 +249,13 @@ class PythonBackend(Backend):
         pending, self._pending = self._pending, []
         for index, event in pending:
             t0 = time.perf_counter()
-            self._copies.host_wait(event)
+            with self._traced("wait", f"u{index}'s gradient copy", index):
+                self._copies.host_wait(event)
             if index in self._unfolded:
                 self._fold(index)
             waited += time.perf_counter() - t0
-            self._step_layers({index})
+            with self._traced("host step", f"step u{index}", index):
+                self._step_layers({index})
         t0 = time.perf_counter()
         for index in list(self._unfolded):  # accumulation without a step here (clipping comes next)
             self._fold(index)
@@ -279,6 +284,16 @@ class PythonBackend(Backend):
                 p.grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
+
+    def _traced(self, lane: str, name: str, unit: int) -> contextlib.AbstractContextManager:
+        return self._timeline.span(lane, name, unit) if self._timeline is not None else contextlib.nullcontext()
+
+    def start_trace(self) -> None:
+        self._timeline = Timeline()
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        timeline, self._timeline = self._timeline, None
+        return timeline.events if timeline is not None else []
 
     def set_copy_delay(self, max_us: int) -> None:
         self._copy_delay_us = max(0, int(max_us))

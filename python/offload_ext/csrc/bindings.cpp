@@ -134,9 +134,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reserve_pinned", &Engine::reserve_pinned, py::arg("bytes"), Release())
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
-           py::arg("job") = Job::kStep,
+           py::arg("job") = Job::kStep, py::arg("trace_unit") = -1,
            "Enqueue a copy; with notify_unit, queue `job` of that unit once it lands. Raises (and leaves "
-           "nothing expected of the unit) when the copy cannot be enqueued.")
+           "nothing expected of the unit) when the copy cannot be enqueued. trace_unit: the unit the timeline "
+           "names (default notify_unit).")
       .def("compute_wait", &Engine::compute_wait, py::arg("event"), Release())
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
@@ -149,7 +150,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &Engine::run, py::arg("unit"), py::arg("job"), py::arg("scale") = 1.0f,
            "Queue Job.NORM or Job.SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).")
       .def("sq_norm", &Engine::sq_norm, py::arg("unit"))
-      .def("wait_unit", &Engine::wait_unit, py::arg("unit"), Release())
+      .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", Release(),
+           "Block until the unit's announced jobs are done; a wait that blocked goes on the timeline as `reason`.")
+      .def("start_trace", &Engine::start_trace, "Record the timeline (copies, host step slices, waits) from now on.")
+      .def("stop_trace", [](Engine& e) {
+        py::list out;
+        for (const auto& ev : e.stop_trace()) out.append(py::make_tuple(ev.lane, ev.name, ev.begin_ns, ev.end_ns, ev.unit));
+        return out;
+      }, "Stop recording; the events as (lane, name, begin_ns, end_ns, unit), on time.monotonic_ns()'s clock.")
       .def("wait_all", &Engine::wait_all, Release())
       .def("ready", &Engine::ready, py::arg("unit"),
            "Whether every announced job of `unit` is done (a copy from its params is safe), without waiting.")

@@ -70,7 +70,10 @@ Engine::Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes
       host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), setup_threads())),
       scheduler_(std::make_shared<StepScheduler>(std::make_shared<ThreadPool>(
           checked_threads(num_threads), pin_threads ? worker_cpus(num_threads) : std::vector<int>{}))),
-      copies_(make_copy_engine(device)) {}
+      trace_(std::make_shared<TraceRecorder>()),
+      copies_(make_copy_engine(device)) {
+  scheduler_->set_trace(trace_);
+}
 
 at::Tensor Engine::pinned_empty(int64_t numel, at::ScalarType dtype) {
   return wrap_block(pinned_->allocate(numel * c10::elementSize(dtype)), numel, dtype);
@@ -87,7 +90,7 @@ at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
 void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
 
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
-                                    Job job) {
+                                    Job job, int trace_unit) {
   // The enums come from Python, where an enum can still be built from any int.
   TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
               "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
@@ -112,12 +115,57 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
     TORCH_CHECK(dev.device().is_cpu(), "Engine.copy: on the simulated device expected both sides of a copy on the "
                 "CPU, got ", dev.device());
   }
-  if (notify_unit < 0) return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), {});
+  CopyEngine::Callback on_done;
+  if (trace_->enabled()) {
+    // Issue to landing (the callback runs once the copy has landed, behind the compute it waited for).
+    const int unit = trace_unit >= 0 ? trace_unit : notify_unit;
+    const char* lane = dir == Direction::kH2D ? "H2D" : "D2H";
+    on_done = [trace = trace_, lane, unit, issued = TraceRecorder::now_ns()] {
+      trace->record(lane, std::string(lane) + " u" + std::to_string(unit), issued, TraceRecorder::now_ns(), unit);
+    };
+  }
+  if (notify_unit < 0) {
+    return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
+  }
   PendingJob pending(*scheduler_, notify_unit);
-  auto on_done = [sched = scheduler_, notify_unit, job] { sched->notify(notify_unit, job); };
+  on_done = [sched = scheduler_, notify_unit, job, traced = std::move(on_done)] {
+    if (traced) traced();
+    sched->notify(notify_unit, job);
+  };
   auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   pending.commit();
   return event;
+}
+
+namespace {
+// A wait shorter than this did not block (the jobs were done): it stays off the timeline.
+constexpr int64_t kBlockedNs = 2000;
+}  // namespace
+
+void Engine::wait_unit(int unit, const std::string& reason) {
+  const int64_t begin = TraceRecorder::now_ns();
+  scheduler_->wait(unit);
+  const int64_t end = TraceRecorder::now_ns();
+  if (end - begin > kBlockedNs) {
+    trace_->record("wait", reason.empty() ? "wait u" + std::to_string(unit) : reason, begin, end, unit);
+  }
+}
+
+void Engine::wait_all() {
+  const int64_t begin = TraceRecorder::now_ns();
+  scheduler_->wait_all();
+  const int64_t end = TraceRecorder::now_ns();
+  if (end - begin > kBlockedNs) trace_->record("wait", "wait for every host step", begin, end, -1);
+}
+
+void Engine::start_trace() {
+  trace_->take();  // anything from an earlier trace is dropped
+  trace_->set_enabled(true);
+}
+
+std::vector<TraceEvent> Engine::stop_trace() {
+  trace_->set_enabled(false);
+  return trace_->take();
 }
 
 void Engine::compute_wait(const std::shared_ptr<Event>& e) {

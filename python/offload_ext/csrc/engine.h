@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "copy_engine.h"
 #include "pinned_pool.h"
 #include "step_scheduler.h"
+#include "trace.h"
 
 namespace offload_ext {
 
@@ -34,7 +36,9 @@ class Engine {
   // Enqueues a copy on the `dir` stream. With notify_unit >= 0, `job` of that unit is queued once the
   // copy lands, and waits on the unit cover it from now on. Throws (and expects nothing) when the copy
   // cannot be enqueued.
-  std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job);
+  // `trace_unit` names the unit on the timeline (default: notify_unit).
+  std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job,
+                              int trace_unit);
   void compute_wait(const std::shared_ptr<Event>& e);
   void synchronize() { copies_->synchronize(); }
 
@@ -48,14 +52,19 @@ class Engine {
   // Queues NORM or SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).
   void run(int unit, Job job, float scale);
   double sq_norm(int unit) const { return scheduler_->sq_norm(unit); }
-  void wait_unit(int unit) { scheduler_->wait(unit); }
-  void wait_all() { scheduler_->wait_all(); }
+  // Blocks until `unit`'s announced jobs are done; on the timeline (lane "wait") as `reason` when it blocked.
+  void wait_unit(int unit, const std::string& reason);
+  void wait_all();
   bool ready(int unit) const { return scheduler_->ready(unit); }
   void check() { scheduler_->check(); }
   void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }
   SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
   int num_threads() const { return scheduler_->pool()->num_threads(); }
   bool threads_pinned() const { return scheduler_->pool()->pinned(); }
+
+  // The timeline: recording from start_trace() until stop_trace(), which returns the events.
+  void start_trace();
+  std::vector<TraceEvent> stop_trace();
 
   // Testing aids.
   void inject_failure() { scheduler_->inject_failure(); }
@@ -70,6 +79,7 @@ class Engine {
   std::shared_ptr<PinnedPool> pinned_;
   std::shared_ptr<PinnedPool> host_;
   std::shared_ptr<StepScheduler> scheduler_;
+  std::shared_ptr<TraceRecorder> trace_;
   std::shared_ptr<CopyEngine> copies_;  // last: destroyed first, draining copies into the pools above
 };
 

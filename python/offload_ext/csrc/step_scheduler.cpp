@@ -57,6 +57,23 @@ void StepScheduler::set_hyper(int group, const AdamWHyper& h) {
   hypers_[static_cast<size_t>(group)] = h;
 }
 
+const char* job_name(Job job) {
+  switch (job) {
+    case Job::kStep: return "step";
+    case Job::kAccumulateFirst: return "accumulate (first)";
+    case Job::kAccumulate: return "accumulate";
+    case Job::kAccumulateStep: return "accumulate + step";
+    case Job::kNorm: return "norm";
+    case Job::kScaleStep: return "scale + step";
+  }
+  return "?";
+}
+
+void StepScheduler::set_trace(std::shared_ptr<TraceRecorder> trace) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_ = std::move(trace);
+}
+
 void StepScheduler::expect(int id) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit_locked(id);
@@ -208,6 +225,7 @@ void StepScheduler::loop() {
     Queued job;
     bool skip;
     StepUnit unit;
+    std::shared_ptr<TraceRecorder> trace;
     std::vector<GroupRange> groups;
     int delay_us;
     int64_t end;
@@ -222,6 +240,7 @@ void StepScheduler::loop() {
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
       unit = units_[job.unit];
       groups = groups_[job.unit];
+      trace = trace_;
       delay_us = debug_step_delay_us_;
       // A norm is one sum in a fixed order; a skipped job is done at once.
       end = job.job == Job::kNorm || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
@@ -235,10 +254,15 @@ void StepScheduler::loop() {
     const auto t0 = std::chrono::steady_clock::now();
     if (!skip) {
       if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      const int64_t begin_ns = TraceRecorder::now_ns();
       try {
         run(unit, groups, job.begin, end, job);
       } catch (...) {
         failure = std::current_exception();
+      }
+      if (trace && trace->enabled()) {
+        trace->record("host step", std::string(job_name(job.job)) + " u" + std::to_string(job.unit), begin_ns,
+                      TraceRecorder::now_ns(), job.unit);
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

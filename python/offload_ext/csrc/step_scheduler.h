@@ -18,6 +18,7 @@
 
 #include "adamw.h"
 #include "thread_pool.h"
+#include "trace.h"
 
 namespace offload_ext {
 
@@ -52,6 +53,9 @@ enum class Job {
   kNorm = 4,            // sum of squares of accum, kept for sq_norm() (gradient clipping)
   kScaleStep = 5,       // accum *= scale (rounded to bf16, like torch's clipping), then step with accum
 };
+
+// A job's name on the timeline.
+const char* job_name(Job job);
 
 struct SchedulerStats {
   double busy_seconds = 0;   // wall time spent stepping, summed over units
@@ -89,6 +93,8 @@ class StepScheduler {
   void wait_all();
   // Rethrows a pending failure without waiting.
   void check();
+  // Where each slice of a job is recorded while the recorder is enabled (null: nowhere).
+  void set_trace(std::shared_ptr<TraceRecorder> trace);
   // Testing aid: the next unit stepped fails as a real kernel failure would.
   void inject_failure();
   // Testing aid: every slice of a job sleeps this long first, as a slow host would (0 = off).
@@ -126,6 +132,7 @@ class StepScheduler {
   std::vector<double> sq_norms_;   // per unit: the last kNorm result
   std::vector<int> waiters_;       // per unit: callers blocked in wait()
   std::vector<AdamWHyper> hypers_;  // per parameter group
+  std::shared_ptr<TraceRecorder> trace_;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;

@@ -1,0 +1,71 @@
+"""Draws one step of an Offloader timeline (Offloader.trace / offload-train --trace) as a PNG: a lane per
+stream (python thread, H2D, D2H, host step, waits), so the overlap of the host steps with backward, or a
+stall, shows at a glance.
+
+    python benchmarks/plot_timeline.py timeline.json out.png --step 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def load(path: str) -> tuple[list[str], list[dict]]:
+    with open(path) as f:
+        trace = json.load(f)["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    events = [dict(e, lane=lanes[e["tid"]]) for e in trace if e["ph"] == "X"]
+    return [lanes[t] for t in sorted(lanes)], events
+
+
+def step_window(events: list[dict], step: int) -> tuple[float, float]:
+    """From the start of the step-th backward (0-based) to the start of the next one (or the end)."""
+    starts = sorted(e["ts"] for e in events if e["lane"] == "python" and e["name"] == "backward")
+    if not starts:
+        raise SystemExit("plot_timeline: the trace has no backward span (was it recorded by Offloader.trace?)")
+    if step >= len(starts):
+        raise SystemExit(f"plot_timeline: --step {step}, but the trace holds {len(starts)} backward passes")
+    end = starts[step + 1] if step + 1 < len(starts) else max(e["ts"] + e["dur"] for e in events)
+    return starts[step], end
+
+
+def plot(lanes: list[str], events: list[dict], window: tuple[float, float], out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0, t1 = window
+    shown = [lane for lane in lanes if any(e["lane"] == lane for e in events)]
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(shown) + 1.5))
+    cmap = plt.get_cmap("tab20")
+    for row, lane in enumerate(reversed(shown)):
+        for e in events:
+            if e["lane"] != lane or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+                continue
+            unit = e["args"].get("unit", -1)
+            color = "0.6" if unit < 0 else cmap(unit % 20)
+            start, width = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, (t1 - t0) / 1e3 / 2000)
+            ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolor="none")
+    ax.set_yticks(range(len(shown)), list(reversed(shown)))
+    ax.set_xlim(0, (t1 - t0) / 1e3)
+    ax.set_xlabel("ms from the start of backward (colour: unit)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("out")
+    ap.add_argument("--step", type=int, default=0, help="which traced step (0-based backward pass)")
+    ap.add_argument("--title", default=None)
+    a = ap.parse_args()
+    lanes, events = load(a.trace)
+    plot(lanes, events, step_window(events, a.step), a.out, a.title or f"{a.trace}, step {a.step}")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

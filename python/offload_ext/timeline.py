@@ -1,0 +1,58 @@
+"""Timeline: what the engine and the Offloader did, when, as a Chrome / Perfetto trace.
+
+Lanes: "python" (the training thread: backward, step, each layer bound for compute), "H2D" and "D2H"
+(each copy from its issue to its landing), "host step" (each slice of a host job: step, accumulate,
+norm), "wait" (the training thread blocked on the host, with the reason). Times are
+time.monotonic_ns(), the clock the native engine records on. Open the JSON in ui.perfetto.dev or
+chrome://tracing; benchmarks/plot_timeline.py draws one step of it as a PNG.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+LANES = ("python", "H2D", "D2H", "host step", "wait")
+
+
+@dataclass
+class Timeline:
+    events: list[tuple[str, str, int, int, int]] = field(default_factory=list)  # lane, name, begin, end, unit
+
+    def mark(self, lane: str, name: str, begin_ns: int, end_ns: int | None = None, unit: int = -1) -> None:
+        self.events.append((lane, name, begin_ns, begin_ns if end_ns is None else end_ns, unit))
+
+    def span(self, lane: str, name: str, unit: int = -1) -> "_Span":
+        return _Span(self, lane, name, unit)
+
+    def extend(self, events: list[tuple[str, str, int, int, int]]) -> None:
+        self.events.extend(events)
+
+    def chrome_trace(self) -> dict:
+        """The Trace Event Format: one thread per lane, complete ("X") events in microseconds."""
+        origin = min((e[2] for e in self.events), default=0)
+        lanes = list(LANES) + sorted({e[0] for e in self.events} - set(LANES))
+        meta = [{"ph": "M", "pid": 1, "tid": k, "name": "thread_name", "args": {"name": lane}}
+                for k, lane in enumerate(lanes)]
+        meta += [{"ph": "M", "pid": 1, "tid": k, "name": "thread_sort_index", "args": {"sort_index": k}}
+                 for k in range(len(lanes))]
+        body = [{"ph": "X", "pid": 1, "tid": lanes.index(lane), "name": name, "ts": (begin - origin) / 1e3,
+                 "dur": max(end - begin, 0) / 1e3, "args": {"unit": unit}}
+                for lane, name, begin, end, unit in sorted(self.events, key=lambda e: e[2])]
+        return {"traceEvents": meta + body, "displayTimeUnit": "ms",
+                "otherData": {"producer": "offload_ext", "clock": "time.monotonic_ns", "origin_ns": origin}}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+class _Span:
+    def __init__(self, timeline: Timeline, lane: str, name: str, unit: int) -> None:
+        self.timeline, self.lane, self.name, self.unit = timeline, lane, name, unit
+
+    def __enter__(self) -> None:
+        self.begin = time.monotonic_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timeline.mark(self.lane, self.name, self.begin, time.monotonic_ns(), self.unit)

@@ -1,0 +1,78 @@
+"""Offloader.trace: a timeline whose events are in the order the engine must run them, as a Chrome trace."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import offload_ext
+from helpers import batches, offloaded_training, tiny_llama
+
+LAYERS = 4
+
+
+def _traced_run(backend: str, path: Path, **kw) -> list[tuple[str, str, int, int, int]]:
+    model = tiny_llama(layers=LAYERS)
+    off = offload_ext.Offloader(model, backend=backend, device="cpu", **kw)
+    offloaded_training(off, model, batches(1))
+    with off.trace(str(path)) as timeline:
+        offloaded_training(off, model, batches(2))
+    off.close()
+    return timeline.events
+
+
+def test_native_timeline_steps_each_unit_after_its_gradients_land_and_copies_it_after_its_step(tmp_path) -> None:
+    events = _traced_run("native", tmp_path / "t.json")
+    lanes = {e[0] for e in events}
+    assert {"python", "H2D", "D2H", "host step"} <= lanes
+    for unit in range(LAYERS):
+        copies_out = [(e[2], e[3]) for e in events if e[0] == "D2H" and e[4] == unit]
+        steps = [(e[2], e[3]) for e in events if e[0] == "host step" and e[4] == unit]
+        loads = [e[2] for e in events if e[0] == "H2D" and e[4] == unit]
+        assert len(copies_out) == 2, (unit, copies_out)  # two traced backward passes
+        for k, (issued, landed) in enumerate(sorted(copies_out)):
+            after = [s for s in steps if s[0] >= issued]
+            assert after and all(begin >= landed for begin, _ in after)  # a unit is stepped once its grads landed
+            if k == 0:  # and copied to the device for the next (traced) forward only after that step
+                assert any(t >= min(after)[1] for t in loads), (unit, after, loads)
+    assert sum(e[1] == "backward" for e in events) == 2 and sum(e[1] == "step" for e in events) == 2
+
+
+def test_python_backend_timeline_has_its_host_steps_after_backward(tmp_path) -> None:
+    events = _traced_run("python", tmp_path / "t.json")
+    backward_end = max(e[3] for e in events if e[1] == "backward")
+    steps = [e for e in events if e[0] == "host step"]
+    assert len(steps) == 2 * LAYERS and all(e[2] >= min(b[3] for b in events if b[1] == "backward") for e in steps)
+    assert max(e[3] for e in steps) >= backward_end  # the python backend steps inside step(), after backward
+
+
+def test_the_trace_file_is_a_chrome_trace_with_a_named_lane_per_stream(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    events = _traced_run("native", path, max_grad_norm=1e-3)  # clipping: norm and scale jobs on the host lane
+    trace = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"python", "H2D", "D2H", "host step", "wait"} <= names
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(events) and all(e["ts"] >= 0 and e["dur"] >= 0 for e in complete)
+    assert {"norm", "scale + step"} <= {e["name"].split(" u")[0] for e in complete if e["name"].endswith(tuple("0123"))}
+
+
+def test_a_second_trace_inside_the_first_is_refused() -> None:
+    model = tiny_llama(layers=2)
+    with offload_ext.Offloader(model, device="cpu") as off, off.trace():
+        with pytest.raises(RuntimeError, match="already tracing"):
+            with off.trace():
+                pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="plotting needs matplotlib")
+def test_plot_timeline_draws_one_step_as_a_png(tmp_path) -> None:
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    _traced_run("native", trace)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_timeline.py"
+    subprocess.run([sys.executable, str(script), str(trace), str(png), "--step", "1"], check=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
