@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any, Iterator
@@ -97,6 +98,8 @@ def parse() -> argparse.Namespace:
                     help="cap the offloaded modes' GPU memory (resident modes run uncapped)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="after the timed steps, trace one more per offloaded mode into DIR/timeline_<mode>.json")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -236,6 +239,10 @@ def run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: t
                          else 0.0)
             busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0
+    if a.trace and off is not None:  # one more step, traced, after the timed ones
+        os.makedirs(a.trace, exist_ok=True)
+        with off.trace(os.path.join(a.trace, f"timeline_{mode.name}.json")):
+            _train_step(mode, model, off, opt, micro)
     row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
            "gpu_peak_gb": peak, "losses": losses, "tokens_per_s": tokens.numel() / statistics.median(steps),

@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
-# sanitize train-recipes train-b2 (default: build test adamw train).
+# sanitize train-recipes train-b2 timeline (default: build test adamw train).
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
@@ -104,6 +104,13 @@ for step in "${steps[@]}"; do
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 --modes \
         resident-clip,native-bf16-clip,native-bf16-clipall ;;
+    timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
+      run timeline python3 benchmarks/bench_train.py --stem train_b1_timeline --steps 4 --warmup 2 \
+        --modes native-bf16,native-bf16-clipall --trace "$OUT/timelines"
+      for m in native-bf16 native-bf16-clipall; do
+        run "plot_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines/timeline_$m.json" "$OUT/timeline_b1_$m.png" \
+          --title "B1 $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+      done ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \

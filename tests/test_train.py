@@ -174,3 +174,14 @@ def test_weight_decay_spares_biases_and_norms_unless_told_otherwise(tmp_path, no
                                 "--seq-len", "16", "--weight-decay", "0.1", *extra]))
     state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)
     assert [g["weight_decay"] for g in state["engine"]["param_groups"]] == decays
+
+
+def test_trace_writes_the_engine_timeline_of_the_profiled_steps(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, "--device", "cpu-sim", "--steps", "7", "--batch-size", "2",
+                                "--seq-len", "16", "--trace"]))
+    with open(os.path.join(out, "timeline.json")) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["name"] == "backward" for e in events) == 3  # steps 4-6, as the profiler's trace.json
+    assert any(e["name"].startswith("step u") for e in events)
+    assert os.path.exists(os.path.join(out, "trace.json"))

@@ -6,6 +6,7 @@ CPU), the Python standard library's own sources as text, and a BPE tokenizer tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -75,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "still spans --steps, and --resume continues (for preemptible jobs)")
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trace", action="store_true", help="write a torch.profiler trace of steps 3-5 to --out")
+    ap.add_argument("--trace", action="store_true",
+                    help="write a torch.profiler trace (trace.json) and, with offload, the engine's timeline "
+                         "(timeline.json; benchmarks/plot_timeline.py draws it) of steps 4-6 to --out")
     return ap.parse_args(argv)
 
 
@@ -118,12 +121,15 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     from tqdm import tqdm
 
     profiler = _profiler(args) if args.trace else None
+    timeline = contextlib.ExitStack()  # the engine's timeline over the profiler's active steps
     losses, rates = [], []
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1")
     with open(metrics_path, "a") as metrics:
-        for step in bar:
+        for k, step in enumerate(bar):
+            if args.trace and trainer.off is not None and k == _TRACED[0]:
+                timeline.enter_context(trainer.off.trace(os.path.join(args.out, "timeline.json")))
             lr = trainer.lr
             t0 = time.perf_counter()
             loss = trainer.train_step(stream)
@@ -135,6 +141,8 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
             rates.append(rate)
             if profiler is not None:
                 profiler.step()
+            if k == _TRACED[-1]:
+                timeline.close()
             if (step + 1) % args.log_every == 0:
                 row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem}
                 if trainer.last_grad_norm is not None:
@@ -144,6 +152,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")
             if args.save_every and (step + 1) % args.save_every == 0:
                 trainer.save(step + 1, stream, tokenizer)
+    timeline.close()
     if profiler is not None:
         profiler.stop()
     trainer.save(end, stream, tokenizer)
@@ -155,6 +164,9 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
           f"{summary['tokens_per_s']:,.0f} tok/s (median), GPU peak {summary['gpu_peak_gb']:.2f} GB, "
           f"checkpoint in {os.path.join(args.out, 'checkpoint')}", flush=True)
     return summary
+
+
+_TRACED = (3, 4, 5)  # steps of this invocation that --trace records (0-based): the profiler's active ones
 
 
 def _profiler(args: argparse.Namespace):
