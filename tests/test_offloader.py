@@ -329,22 +329,33 @@ def test_step_before_all_micro_batches_is_refused() -> None:
         off.step()
 
 
-def _clipped_run(base, data, backend, precision) -> tuple[list[float], list[float], nn.Module]:
+def _clipped_run(base, data, backend, precision, max_grad_norm=0.5, grad_accum=2, **kw):
+    """(losses, norms, model, clip actions) of a clipped run with randomly delayed copies."""
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
-                                grad_accum=2, max_grad_norm=0.5, grad_slots=2)
+                                grad_accum=grad_accum, max_grad_norm=max_grad_norm, grad_slots=2, **kw)
     testing.delayed_copies(off, 3000)  # the last gradient copies land after backward has returned
     norms: list[float] = []
-    losses = offloaded_training(off, model, data, norms=norms)
+    actions: list[str | None] = []
+    losses = []
+    for k in range(0, len(data), grad_accum):
+        losses += offloaded_training(off, model, data[k:k + grad_accum], norms=norms)
+        actions.append(off.last_clip_action)
     off.close()
-    return losses, norms, model
+    return losses, norms, model, actions
+
+
+# Speculative clipping (the native default) steps each unit as its gradients land and redoes it exactly
+# from a backup when the norm clips; speculative_clip=False (and the python backend) clip after backward.
+CLIP_VARIANTS = [("python", True), ("native", True), ("native", False)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
-@pytest.mark.parametrize("backend", ["python", "native"])
-def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend, precision) -> None:
+@pytest.mark.parametrize("backend, speculative", CLIP_VARIANTS)
+def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend, speculative, precision) -> None:
     base, data = tiny_llama(layers=4), batches(8)
-    losses, norms, model = _clipped_run(base, data, backend, precision)
+    losses, norms, model, actions = _clipped_run(base, data, backend, precision, speculative_clip=speculative)
+    assert set(actions) == ({"redone"} if backend == "native" and speculative else {"clipped"})
     exact_norms: list[float] = []
     fp32_norms: list[float] = []
     exact_losses, exact_model = reference_training(base, data, precision, LR, WD, micro_batches=2,
@@ -484,3 +495,57 @@ def test_a_state_saved_with_other_param_groups_is_refused() -> None:
     with offload_ext.Offloader(other, device="cpu") as off2:
         with pytest.raises(ValueError, match="param groups"):
             off2.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend, speculative", CLIP_VARIANTS)
+def test_clipping_that_never_triggers_trains_exactly_like_no_clipping(backend, speculative, precision) -> None:
+    base, data = tiny_llama(layers=4), batches(6)
+    ref_losses, ref_model = reference_training(base, data, precision, LR, WD)
+    losses, _, model, actions = _clipped_run(base, data, backend, precision, max_grad_norm=1e6, grad_accum=1,
+                                             speculative_clip=speculative)
+    assert set(actions) == ({"committed"} if backend == "native" and speculative else {"unclipped"})
+    assert losses == ref_losses
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_a_redo_on_a_slow_host_with_late_copies_is_still_exact(precision) -> None:
+    # Host steps far slower than the device: redos meet speculative steps queued, running and done.
+    base, data = tiny_llama(layers=4), batches(6)
+    exact_norms: list[float] = []
+    ref_losses, ref_model = reference_training(base, data, precision, LR, WD, max_grad_norm=0.5, norms=exact_norms,
+                                               exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
+                                max_grad_norm=0.5, slice_elements=5000)
+    testing.delayed_copies(off, 3000)
+    testing.slow_host_steps(off, 3000)
+    norms: list[float] = []
+    assert offloaded_training(off, model, data, norms=norms) == ref_losses
+    assert norms == pytest.approx(exact_norms, rel=1e-12) and off.last_clip_action == "redone"
+    off.close()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_speculative_clipping_steps_the_host_during_backward(speculative) -> None:
+    model = tiny_llama(layers=4)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", max_grad_norm=1e-3,
+                                speculative_clip=speculative)
+    testing.slow_host_steps(off, 2000)  # each step outlasts a layer's backward, so overlap shows clearly
+    offloaded_training(off, model, batches(1))
+    testing.settle(off)  # the first step's host work stays off the timeline
+    with off.trace() as timeline:
+        offloaded_training(off, model, batches(1))
+    off.close()
+    _, _, begin, end, _ = next(e for e in timeline.events if e[1] == "backward")
+    steps = [e for e in timeline.events if e[0] == "host step" and "step" in e[1] and e[2] >= begin]
+    during = [e for e in steps if e[2] < end]
+    if speculative:
+        assert during and all(e[1].startswith("backup + step") for e in during)
+        assert any(e[1].startswith(("restore + scale + step", "scale + step")) for e in steps)  # the redo
+    else:
+        assert not during  # every step waits for the norm, after backward

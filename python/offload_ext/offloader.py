@@ -72,6 +72,7 @@ class Offloader(torch.optim.Optimizer):
         async_step: bool | None = None,
         groups: Sequence[dict[str, Any]] | None = None,
         no_decay: Sequence[str] = (),
+        speculative_clip: bool = True,
     ) -> None:
         self.options = Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,
                                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -90,14 +91,15 @@ class Offloader(torch.optim.Optimizer):
         self._step = 0
         self._closed = False
         self._timeline: Timeline | None = None
-        self._policy = StepPolicy(grad_accum, max_grad_norm)
+        # Speculative clipping needs the native engine's backups; the python backend clips after backward.
+        self._policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native")
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
             grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
-            async_step=async_step is not False)
+            async_step=async_step is not False, speculative=self._policy.speculative)
         t0 = time.perf_counter()
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
@@ -136,6 +138,13 @@ class Offloader(torch.optim.Optimizer):
     @property
     def max_grad_norm(self) -> float | None:
         return self._policy.max_grad_norm
+
+    @property
+    def last_clip_action(self) -> str | None:
+        """With max_grad_norm, what the last step did: "committed" (its speculative host steps stood, the norm
+        was under the limit) or "redone" (they were redone exactly, clipped); without speculation
+        ("speculative_clip=False" or the python backend) "unclipped" or "clipped"."""
+        return self._policy.last_clip_action
 
     @property
     def last_grad_norm(self) -> float | None:

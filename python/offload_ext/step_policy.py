@@ -3,7 +3,9 @@
 Plain: as its gradients land, during backward. Accumulation (grad_accum=N): the first N-1 backward
 calls only sum each unit's gradients on the host; the N-th steps each unit as its sum completes.
 Clipping: every unit's gradients are kept until the global norm over all parameters is known, then
-scaled and stepped.
+scaled and stepped; or, speculatively (native engine), each unit is stepped as its last gradients
+land, as if no clipping were needed, from a preserved copy of its state: when the norm is under the
+limit the steps stand (committed), otherwise each is redone exactly from that copy, clipped.
 """
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ from .backends import Backend
 
 
 class StepPolicy:
-    def __init__(self, grad_accum: int, max_grad_norm: float | None) -> None:
+    def __init__(self, grad_accum: int, max_grad_norm: float | None, speculative: bool) -> None:
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
+        self.speculative = speculative and max_grad_norm is not None
+        # The last step's clipping: "committed" / "redone" (speculative), "unclipped" / "clipped" (not).
+        self.last_clip_action: str | None = None
         self.micro = 0  # backward() calls since the last step(); > 0: host steps may be pending
         self.last_grad_norm: float | None = None
 
@@ -32,7 +37,7 @@ class StepPolicy:
                                f"grad_accum={self.grad_accum}; call step() after every {self.grad_accum} "
                                "backward() calls, or build the Offloader with a larger grad_accum")
         self.micro += 1
-        steps_now = self.micro == self.grad_accum and self.max_grad_norm is None
+        steps_now = self.micro == self.grad_accum and (self.max_grad_norm is None or self.speculative)
         backend.begin_micro(first=self.micro == 1, last=steps_now)
 
     def check_step(self) -> None:
@@ -51,6 +56,11 @@ class StepPolicy:
         self.last_grad_norm = math.sqrt(sq)
         scale = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
         backend.clipped_step(scale)
+        clipped = scale < 1.0
+        if self.speculative:
+            self.last_clip_action = "redone" if clipped else "committed"
+        else:
+            self.last_clip_action = "clipped" if clipped else "unclipped"
         for g in device_grads:
             g.mul_(scale)
 

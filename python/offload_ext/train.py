@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated name parts: parameters whose name or module class contains one get no "
                          "weight decay (HF Trainer's rule: biases and norm weights); '' decays all")
     ap.add_argument("--max-grad-norm", type=float, default=None,
-                    help="clip by the global gradient norm (with offload, the host steps then wait for backward)")
+                    help="clip by the global gradient norm (native offload: host steps run speculatively during "
+                         "backward and are redone exactly when the norm clips; metrics log 'clip')")
     ap.add_argument("--backend", choices=["none", "python", "native"], default="native",
                     help="none = no offload (the model and optimizer on the device)")
     ap.add_argument("--precision", choices=["bf16", "mixed"], default="bf16")
@@ -147,6 +148,8 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                 row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem}
                 if trainer.last_grad_norm is not None:
                     row["grad_norm"] = trainer.last_grad_norm
+                if trainer.last_clip_action is not None:
+                    row["clip"] = trainer.last_clip_action
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")

@@ -39,6 +39,7 @@ class Trainer:
         self.off = None
         self.opt = None
         self.last_grad_norm: float | None = None
+        self.last_clip_action: str | None = None  # the Offloader's: committed / redone (speculative), ...
         if args.backend != "none":
             self._check_offload_supported()
             from .offloader import Offloader
@@ -110,6 +111,7 @@ class Trainer:
             total = self._micro_batches(stream, self.off.backward)
             self.off.step()
             self.last_grad_norm = self.off.last_grad_norm
+            self.last_clip_action = self.off.last_clip_action
         else:
             total = self._micro_batches(stream, torch.Tensor.backward)
             if a.max_grad_norm is not None:

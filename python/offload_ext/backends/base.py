@@ -30,6 +30,9 @@ class LayerBuffers:
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
     accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (accumulation or clipping)
+    # Speculative clipping (native): the trainable state (param or master, exp_avg, exp_avg_sq) before the
+    # last speculative step, restored by a redo. The engine holds raw pointers: these tensors keep it alive.
+    backup: tuple[torch.Tensor, ...] = ()
 
     @property
     def trainable_params(self) -> torch.Tensor:

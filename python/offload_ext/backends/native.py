@@ -40,8 +40,9 @@ class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
-                 **_: Any) -> None:
+                 speculative: bool = False, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
+        self.speculative = speculative  # clipping: step as gradients land, redo exactly if the norm clips
         self.asynchronous = async_step
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
@@ -91,13 +92,14 @@ class NativeBackend(Backend):
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
         accum = e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
-        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum)
-        ranges = list(groups or ())
-        if self.precision == "mixed":
-            unit = e.add_unit(master_buf, grads, exp_avg, exp_avg_sq, layer.trainable_params, accum=accum,
-                              groups=ranges)
-        else:
-            unit = e.add_unit(layer.trainable_params, grads, exp_avg, exp_avg_sq, accum=accum, groups=ranges)
+        stepped = master_buf if self.precision == "mixed" else params[:trainable]
+        # Speculative clipping keeps the state before each step, for an exact redo.
+        backup = (tuple(e.host_empty(trainable, t.dtype) for t in (stepped, exp_avg, exp_avg_sq))
+                  if self.speculative else ())
+        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, backup)
+        out = layer.trainable_params if self.precision == "mixed" else None
+        unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
+                          backup=list(backup))
         if unit != self._count:
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1
@@ -115,8 +117,10 @@ class NativeBackend(Backend):
         self._engine.compute_wait(event)
 
     def _job(self) -> Any:
-        """The engine Job a landed gradient copy triggers."""
+        """The engine Job a landed gradient copy triggers (with speculation, a BACKUP_STEP follows it)."""
         jobs = self._jobs
+        if self.speculative and self._last_micro:
+            return jobs.COPY_NORM if self._first_micro else jobs.ACCUMULATE_NORM
         if not self.accumulate:
             return jobs.STEP
         if self._first_micro:
@@ -130,6 +134,11 @@ class NativeBackend(Backend):
 
     def grad_sq_norm(self) -> float:
         units = sorted(self._flushed)
+        if self.speculative:
+            # Each unit's norm came with its last gradients, ahead of its speculative step; the norms of
+            # copies still in flight are announced already, so this waits for them too.
+            self._engine.wait_norms()
+            return sum(self._engine.sq_norm(u) for u in units)
         # The last gradient copies may still be in flight: their accumulate jobs are queued only when
         # they land, and a norm job queued before them would read last micro-batch's sum.
         self._engine.wait_all()
@@ -139,6 +148,13 @@ class NativeBackend(Backend):
         return sum(self._engine.sq_norm(u) for u in units)
 
     def clipped_step(self, scale: float) -> None:
+        if self.speculative:
+            if scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
+                for i in sorted(self._flushed):
+                    self._engine.redo(i, scale)
+            if not self.asynchronous:
+                self._engine.wait_all()
+            return
         for i in sorted(self._flushed):
             self._engine.run(i, self._jobs.SCALE_STEP, scale)
         if not self.asynchronous:
@@ -152,8 +168,9 @@ class NativeBackend(Backend):
                 # Its step still reads this slot (the wait releases the GIL).
                 reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
                 self._engine.wait_unit(owner, reason=reason)
-        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index,
-                                  job=self._job())
+        job = self._job()
+        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
+                                  then_step=job in (self._jobs.COPY_NORM, self._jobs.ACCUMULATE_NORM))
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index

@@ -121,7 +121,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("ACCUMULATE", Job::kAccumulate, "accum += landed gradient, in bf16")
       .value("ACCUMULATE_STEP", Job::kAccumulateStep, "accum += landed gradient, then step (last micro-batch)")
       .value("NORM", Job::kNorm, "sum of squares of accum, read with Engine.sq_norm")
-      .value("SCALE_STEP", Job::kScaleStep, "accum *= scale (rounded to bf16), then step");
+      .value("SCALE_STEP", Job::kScaleStep, "accum *= scale (rounded to bf16), then step")
+      .value("COPY_NORM", Job::kCopyNorm, "accum = landed gradient, then its sum of squares (speculative clipping)")
+      .value("ACCUMULATE_NORM", Job::kAccumulateNorm, "accum += landed gradient, then its sum of squares")
+      .value("BACKUP_STEP", Job::kBackupStep, "backup = state, then step with accum (speculative)")
+      .value("RESTORE_SCALE_STEP", Job::kRestoreScaleStep, "state = backup, accum *= scale, step (the redo)");
 
   // Opaque to Python: handed back to Engine.compute_wait.
   py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy.");
@@ -134,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reserve_pinned", &Engine::reserve_pinned, py::arg("bytes"), Release())
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
-           py::arg("job") = Job::kStep, py::arg("trace_unit") = -1,
+           py::arg("job") = Job::kStep, py::arg("trace_unit") = -1, py::arg("then_step") = false,
            "Enqueue a copy; with notify_unit, queue `job` of that unit once it lands. Raises (and leaves "
            "nothing expected of the unit) when the copy cannot be enqueued. trace_unit: the unit the timeline "
            "names (default notify_unit).")
@@ -142,14 +146,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
            py::arg("groups") = std::vector<std::tuple<int, int64_t, int64_t>>{},
+           py::arg("backup") = std::vector<at::Tensor>{},
            "A unit to step; `groups`: (parameter group, begin, end) ranges covering it, in order (default: all "
-           "of it in group 0).")
+           "of it in group 0); `backup`: [like param, like exp_avg, like exp_avg_sq] for speculative clipping.")
       .def("set_hyper", &Engine::set_hyper, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("step"), py::arg("group") = 0)
       .def("notify", &Engine::notify, py::arg("unit"), "Queue a step of `unit` with gradients already in place.")
       .def("run", &Engine::run, py::arg("unit"), py::arg("job"), py::arg("scale") = 1.0f,
            "Queue Job.NORM or Job.SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).")
       .def("sq_norm", &Engine::sq_norm, py::arg("unit"))
+      .def("wait_norms", &Engine::wait_norms, Release(), "Block until every queued norm job is done (they go first).")
+      .def("redo", &Engine::redo, py::arg("unit"), py::arg("scale"),
+           "Redo the unit's speculative step exactly, with its gradients scaled (clipping triggered).")
       .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", Release(),
            "Block until the unit's announced jobs are done; a wait that blocked goes on the timeline as `reason`.")
       .def("start_trace", &Engine::start_trace, "Record the timeline (copies, host step slices, waits) from now on.")

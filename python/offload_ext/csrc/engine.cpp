@@ -38,7 +38,8 @@ int checked_threads(int num_threads) {
 int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
 
 bool is_copy_job(Job job) {
-  return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep;
+  return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep ||
+         job == Job::kCopyNorm || job == Job::kAccumulateNorm;
 }
 
 // A job announced to the scheduler while it is being enqueued, taken back unless commit() is reached.
@@ -48,9 +49,12 @@ bool is_copy_job(Job job) {
 // callback) keeps a job that will never be queued from leaving wait_unit and wait_all blocked forever.
 class PendingJob {
  public:
-  PendingJob(StepScheduler& scheduler, int unit) : scheduler_(scheduler), unit_(unit) { scheduler_.expect(unit_); }
+  PendingJob(StepScheduler& scheduler, int unit, bool norm = false)
+      : scheduler_(scheduler), unit_(unit), norm_(norm) {
+    scheduler_.expect(unit_, norm_);
+  }
   ~PendingJob() {
-    if (!committed_) scheduler_.withdraw(unit_);
+    if (!committed_) scheduler_.withdraw(unit_, norm_);
   }
   PendingJob(const PendingJob&) = delete;
   PendingJob& operator=(const PendingJob&) = delete;
@@ -59,6 +63,7 @@ class PendingJob {
  private:
   StepScheduler& scheduler_;
   const int unit_;
+  const bool norm_;  // the job carries a norm (wait_norms covers it)
   bool committed_ = false;
 };
 
@@ -90,13 +95,15 @@ at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
 void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
 
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
-                                    Job job, int trace_unit) {
+                                    Job job, int trace_unit, bool then_step) {
   // The enums come from Python, where an enum can still be built from any int.
   TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
               "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
   TORCH_CHECK(is_copy_job(job), "Engine.copy: expected a job a landed gradient triggers (Job.STEP, "
-              "ACCUMULATE_FIRST, ACCUMULATE or ACCUMULATE_STEP), got ", num(static_cast<int64_t>(job)),
-              "; NORM and SCALE_STEP are queued with Engine.run");
+              "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, COPY_NORM or ACCUMULATE_NORM), got ",
+              num(static_cast<int64_t>(job)), "; NORM and SCALE_STEP are queued with Engine.run");
+  TORCH_CHECK(!then_step || job == Job::kCopyNorm || job == Job::kAccumulateNorm, "Engine.copy: then_step (a "
+              "speculative BACKUP_STEP behind the norm) goes with Job.COPY_NORM or Job.ACCUMULATE_NORM only");
   TORCH_CHECK(notify_unit >= 0 || job == Job::kStep, "Engine.copy: a job is only queued for a notify_unit; "
               "pass notify_unit= the unit whose gradients this copy brings");
   check_flat(dst, "the copy's destination");
@@ -127,13 +134,16 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   if (notify_unit < 0) {
     return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   }
-  PendingJob pending(*scheduler_, notify_unit);
-  on_done = [sched = scheduler_, notify_unit, job, traced = std::move(on_done)] {
+  PendingJob pending(*scheduler_, notify_unit, job == Job::kCopyNorm || job == Job::kAccumulateNorm);
+  std::optional<PendingJob> pending_step;
+  if (then_step) pending_step.emplace(*scheduler_, notify_unit);
+  on_done = [sched = scheduler_, notify_unit, job, then_step, traced = std::move(on_done)] {
     if (traced) traced();
-    sched->notify(notify_unit, job);
+    sched->notify(notify_unit, job, 1.0f, then_step);
   };
   auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   pending.commit();
+  if (pending_step) pending_step->commit();
   return event;
 }
 
@@ -176,7 +186,8 @@ void Engine::compute_wait(const std::shared_ptr<Event>& e) {
 int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                      const std::optional<at::Tensor>& accum,
-                     const std::vector<std::tuple<int, int64_t, int64_t>>& groups) {
+                     const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
+                     const std::vector<at::Tensor>& backup) {
   StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
   if (accum.has_value()) {
     check_span("Engine.add_unit", *accum, "accum", u.numel);
@@ -184,6 +195,21 @@ int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::
                 "Engine.add_unit: gradient accumulation works on bf16 grads into a bf16 accum, got grad ",
                 grad.scalar_type(), " and accum ", accum->scalar_type());
     u.accum = reinterpret_cast<uint16_t*>(accum->data_ptr());
+  }
+  if (!backup.empty()) {
+    TORCH_CHECK(backup.size() == 3 && u.accum != nullptr, "Engine.add_unit: a backup (speculative clipping) is three "
+                "tensors like param, exp_avg and exp_avg_sq, and needs an accum; got ",
+                num(static_cast<int64_t>(backup.size())), " tensors", u.accum ? "" : " and no accum");
+    const at::Tensor* like[] = {&param, &exp_avg, &exp_avg_sq};
+    const char* names[] = {"backup[0] (like param)", "backup[1] (like exp_avg)", "backup[2] (like exp_avg_sq)"};
+    for (int k = 0; k < 3; ++k) {
+      check_span("Engine.add_unit", backup[k], names[k], u.numel);
+      TORCH_CHECK(backup[k].scalar_type() == like[k]->scalar_type(), "Engine.add_unit: expected ", names[k],
+                  " of dtype ", like[k]->scalar_type(), ", got ", backup[k].scalar_type());
+    }
+    u.backup_param = backup[0].data_ptr();
+    u.backup_exp_avg = backup[1].data_ptr();
+    u.backup_exp_avg_sq = backup[2].data_ptr();
   }
   std::vector<GroupRange> ranges;
   for (const auto& [group, begin, end] : groups) ranges.push_back({group, begin, end});
@@ -208,10 +234,15 @@ void Engine::notify(int unit) {
   pending.commit();
 }
 
+void Engine::redo(int unit, float scale) {
+  TORCH_CHECK(unit >= 0, "Engine.redo: expected a unit >= 0, got ", num(static_cast<int64_t>(unit)));
+  scheduler_->redo(unit, scale);
+}
+
 void Engine::run(int unit, Job job, float scale) {
   TORCH_CHECK(job == Job::kNorm || job == Job::kScaleStep, "Engine.run: expected Job.NORM or Job.SCALE_STEP, got ",
               num(static_cast<int64_t>(job)), "; the other jobs come with a gradient copy (Engine.copy)");
-  PendingJob pending(*scheduler_, unit);
+  PendingJob pending(*scheduler_, unit, job == Job::kNorm);
   scheduler_->notify(unit, job, scale);
   pending.commit();
 }

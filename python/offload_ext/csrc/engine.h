@@ -36,15 +36,17 @@ class Engine {
   // Enqueues a copy on the `dir` stream. With notify_unit >= 0, `job` of that unit is queued once the
   // copy lands, and waits on the unit cover it from now on. Throws (and expects nothing) when the copy
   // cannot be enqueued.
-  // `trace_unit` names the unit on the timeline (default: notify_unit).
+  // `trace_unit` names the unit on the timeline (default: notify_unit). `then_step`: after the norm job,
+  // queue the unit's speculative BACKUP_STEP too.
   std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job,
-                              int trace_unit);
+                              int trace_unit, bool then_step);
   void compute_wait(const std::shared_ptr<Event>& e);
   void synchronize() { copies_->synchronize(); }
 
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-               const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups);
+               const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
+               const std::vector<at::Tensor>& backup);
   // Hyperparameters of parameter group `group` for the units notified from now on.
   void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int group);
   // Queues a step of `unit` whose gradients are already in place.
@@ -52,6 +54,9 @@ class Engine {
   // Queues NORM or SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).
   void run(int unit, Job job, float scale);
   double sq_norm(int unit) const { return scheduler_->sq_norm(unit); }
+  // Speculative clipping: wait for every queued norm; redo a unit's speculative step, clipped.
+  void wait_norms() { scheduler_->wait_norms(); }
+  void redo(int unit, float scale);
   // Blocks until `unit`'s announced jobs are done; on the timeline (lane "wait") as `reason` when it blocked.
   void wait_unit(int unit, const std::string& reason);
   void wait_all();

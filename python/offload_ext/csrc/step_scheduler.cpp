@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace offload_ext {
 
@@ -65,30 +66,41 @@ const char* job_name(Job job) {
     case Job::kAccumulateStep: return "accumulate + step";
     case Job::kNorm: return "norm";
     case Job::kScaleStep: return "scale + step";
+    case Job::kCopyNorm: return "copy + norm";
+    case Job::kAccumulateNorm: return "accumulate + norm";
+    case Job::kBackupStep: return "backup + step";
+    case Job::kRestoreScaleStep: return "restore + scale + step (redo)";
   }
   return "?";
 }
+
+namespace {
+bool carries_norm(Job job) { return job == Job::kNorm || job == Job::kCopyNorm || job == Job::kAccumulateNorm; }
+bool needs_backup(Job job) { return job == Job::kBackupStep || job == Job::kRestoreScaleStep; }
+}  // namespace
 
 void StepScheduler::set_trace(std::shared_ptr<TraceRecorder> trace) {
   std::lock_guard<std::mutex> lock(mutex_);
   trace_ = std::move(trace);
 }
 
-void StepScheduler::expect(int id) {
+void StepScheduler::expect(int id, bool norm) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit_locked(id);
   ++expected_[id];
+  if (norm) ++norms_pending_;  // from the enqueue on: a norm whose copy is still in flight counts too
 }
 
-void StepScheduler::withdraw(int id) {
+void StepScheduler::withdraw(int id, bool norm) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     --expected_[id];
+    if (norm) --norms_pending_;
   }
   done_cv_.notify_all();  // a caller may be blocked on just the withdrawn job
 }
 
-void StepScheduler::notify(int id, Job job, float scale) {
+void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (id < 0 || id >= static_cast<int>(units_.size())) {
@@ -101,7 +113,12 @@ void StepScheduler::notify(int id, Job job, float scale) {
       error_ = std::make_exception_ptr(std::invalid_argument(
           "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
     }
+    if ((then_step || needs_backup(job)) && units_[id].backup_param == nullptr && !error_) {
+      error_ = std::make_exception_ptr(std::invalid_argument(
+          "StepScheduler: unit " + std::to_string(id) + " has no backup for speculative clipping"));
+    }
     queue_.push_back({id, hypers_, job, scale});
+    if (then_step) queue_.push_back({id, hypers_, Job::kBackupStep, 1.0f});
   }
   work_cv_.notify_one();
 }
@@ -122,6 +139,22 @@ void bf16_accumulate(uint16_t* accum, const uint16_t* g, int64_t n, ThreadPool& 
   for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
   });
+}
+
+// dst = src over `bytes`, in fixed chunks across the pool.
+void parallel_copy(void* dst, const void* src, int64_t bytes, ThreadPool& pool) {
+  for_fixed_chunks(bytes, pool, [&](int64_t, int64_t begin, int64_t end) {
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                static_cast<size_t>(end - begin));
+  });
+}
+
+// The state a step changes (param or master, both moments): saved to, or restored from, the backup.
+void copy_state(const StepUnit& u, bool save, ThreadPool& pool) {
+  const int64_t bytes = u.numel * (u.bf16_mode ? 2 : 4);
+  void* live[] = {u.param, u.exp_avg, u.exp_avg_sq};
+  void* saved[] = {u.backup_param, u.backup_exp_avg, u.backup_exp_avg_sq};
+  for (int k = 0; k < 3; ++k) parallel_copy(save ? saved[k] : live[k], save ? live[k] : saved[k], bytes, pool);
 }
 
 double bf16_sq_norm(const uint16_t* g, int64_t n, ThreadPool& pool) {
@@ -156,6 +189,11 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
   const int64_t state = u.bf16_mode ? 2 : 4;  // bytes per param / moment element
   const int64_t grad = u.bf16_mode || u.grad_type == GradType::kBF16 ? 2 : 4;
   StepUnit s = u;
+  if (u.backup_param != nullptr) {
+    s.backup_param = static_cast<char*>(u.backup_param) + begin * state;
+    s.backup_exp_avg = static_cast<char*>(u.backup_exp_avg) + begin * state;
+    s.backup_exp_avg_sq = static_cast<char*>(u.backup_exp_avg_sq) + begin * state;
+  }
   s.param = static_cast<char*>(u.param) + begin * state;
   s.grad = static_cast<const char*>(u.grad) + begin * grad;
   s.exp_avg = static_cast<char*>(u.exp_avg) + begin * state;
@@ -182,12 +220,27 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
     case Job::kAccumulateStep:
       bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
       break;
+    case Job::kCopyNorm:
+    case Job::kAccumulateNorm:
+      if (job.job == Job::kCopyNorm) {
+        bf16_copy(unit.accum, landed, unit.numel, *pool_);
+      } else {
+        bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
+      }
+      [[fallthrough]];
     case Job::kNorm: {
       const double sq = bf16_sq_norm(unit.accum, unit.numel, *pool_);
       std::lock_guard<std::mutex> lock(mutex_);
       sq_norms_[job.unit] = sq;
       return;
     }
+    case Job::kBackupStep:
+      copy_state(unit, true, *pool_);
+      break;
+    case Job::kRestoreScaleStep:
+      copy_state(unit, false, *pool_);
+      if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
+      break;
     case Job::kScaleStep:
       if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
       break;
@@ -243,7 +296,7 @@ void StepScheduler::loop() {
       trace = trace_;
       delay_us = debug_step_delay_us_;
       // A norm is one sum in a fixed order; a skipped job is done at once.
-      end = job.job == Job::kNorm || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
+      end = carries_norm(job.job) || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
       if (fail_next_ && !skip) {
         fail_next_ = false;
         failure = std::make_exception_ptr(std::runtime_error(
@@ -277,6 +330,7 @@ void StepScheduler::loop() {
         continue;
       }
       ++stepped_[job.unit];
+      if (carries_norm(job.job)) --norms_pending_;
       if (!skip) ++stats_.units_stepped;
     }
     done_cv_.notify_all();
@@ -287,14 +341,17 @@ std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
   // A unit someone is blocked on goes first (a forward layer, or a gradient slot about to be reused);
   // else the lowest unit id, the one the next forward needs soonest. The first queued job of the
   // chosen unit is taken, so one unit's jobs keep their order.
+  // While someone waits for the norms (speculative clipping), a unit whose next job is a norm goes
+  // before the others.
+  auto rank = [&](const Queued& q) {
+    return std::make_tuple(waiters_[q.unit] == 0, !(norm_waiters_ > 0 && carries_norm(q.job)), q.unit);
+  };
   auto best = queue_.end();
+  std::vector<bool> seen(units_.size(), false);
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-    if (best == queue_.end()) {
-      best = it;
-      continue;
-    }
-    const bool urgent = waiters_[it->unit] > 0, best_urgent = waiters_[best->unit] > 0;
-    if (urgent != best_urgent ? urgent : it->unit < best->unit) best = it;
+    if (seen[static_cast<size_t>(it->unit)]) continue;  // only a unit's first queued job is a candidate
+    seen[static_cast<size_t>(it->unit)] = true;
+    if (best == queue_.end() || rank(*it) < rank(*best)) best = it;
   }
   return best;
 }
@@ -361,6 +418,33 @@ void StepScheduler::wait_all() {
 void StepScheduler::check() {
   std::lock_guard<std::mutex> lock(mutex_);
   rethrow_locked();
+}
+
+void StepScheduler::wait_norms() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++norm_waiters_;
+  wait_locked(lock, [&] { return norms_pending_ == 0 || error_ != nullptr; });
+  --norm_waiters_;
+  rethrow_locked();
+}
+
+void StepScheduler::redo(int id, float scale) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_unit_locked(id);
+    for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
+      if (it->unit != id) continue;
+      if (it->job == Job::kBackupStep && it->begin == 0) {  // not started: step once, clipped
+        it->job = Job::kScaleStep;
+        it->scale = scale;
+        return;
+      }
+      break;
+    }
+    ++expected_[id];
+    queue_.push_back({id, hypers_, Job::kRestoreScaleStep, scale});
+  }
+  work_cv_.notify_one();
 }
 
 double StepScheduler::sq_norm(int id) const {

@@ -31,6 +31,11 @@ struct StepUnit {
   void* exp_avg_sq;
   uint16_t* param_out;      // fp32 mode only, may be null
   uint16_t* accum;          // bf16 gradient accumulator over micro-batches; null without accumulation
+  // Speculative clipping: the state before a speculative step (param or fp32 master, and the moments,
+  // in their own dtypes), restored by a redo; null without it.
+  void* backup_param;
+  void* backup_exp_avg;
+  void* backup_exp_avg_sq;
   int64_t numel;
 };
 
@@ -52,6 +57,11 @@ enum class Job {
   kAccumulateStep = 3,  // accum += landed gradient, then step with accum (last micro-batch)
   kNorm = 4,            // sum of squares of accum, kept for sq_norm() (gradient clipping)
   kScaleStep = 5,       // accum *= scale (rounded to bf16, like torch's clipping), then step with accum
+  // Speculative clipping: the norm of the summed gradient is known before any step is final.
+  kCopyNorm = 6,        // accum = landed gradient, then its sum of squares (kept for sq_norm())
+  kAccumulateNorm = 7,  // accum += landed gradient, then its sum of squares
+  kBackupStep = 8,      // backup = state, then step with accum (committed unless a redo follows)
+  kRestoreScaleStep = 9,  // state = backup, accum *= scale, then step with accum (the exact redo)
 };
 
 // A job's name on the timeline.
@@ -77,14 +87,22 @@ class StepScheduler {
   void set_hyper(int group, const AdamWHyper& h);
   // A step of unit `id` is on its way (its gradient copy is enqueued): waits cover it from now on,
   // even before the copy lands and calls notify.
-  void expect(int id);
+  // `norm`: the job will carry a norm, which wait_norms() covers from now on too.
+  void expect(int id, bool norm = false);
   // Takes back one expect(id) whose job will never be notified (its copy failed to enqueue), so waits
   // stop covering it. Requires that expect(id) call, which checked id.
-  void withdraw(int id);
-  // Unit `id`'s gradients are in place: queue its job. Safe from any thread.
-  void notify(int id, Job job = Job::kStep, float scale = 1.0f);
-  // The last kNorm result of unit `id` (after waiting for it).
+  void withdraw(int id, bool norm = false);
+  // Unit `id`'s gradients are in place: queue its job (and, with then_step, its speculative kBackupStep
+  // behind it, in the same critical section: a redo must never see the norm without the step). Safe from
+  // any thread.
+  void notify(int id, Job job = Job::kStep, float scale = 1.0f, bool then_step = false);
+  // The last norm result of unit `id` (after waiting for it).
   double sq_norm(int id) const;
+  // Block until every queued norm (kNorm, kCopyNorm, kAccumulateNorm) is done; meanwhile norms go first.
+  void wait_norms();
+  // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kBackupStep not yet started
+  // becomes a kScaleStep; else a kRestoreScaleStep is queued behind it.
+  void redo(int id, float scale);
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   // While someone waits on a unit, its queued jobs go before all others.
   void wait(int id);
@@ -131,6 +149,8 @@ class StepScheduler {
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
   std::vector<double> sq_norms_;   // per unit: the last kNorm result
   std::vector<int> waiters_;       // per unit: callers blocked in wait()
+  int64_t norms_pending_ = 0;      // announced norm jobs not yet done
+  int norm_waiters_ = 0;           // callers blocked in wait_norms()
   std::vector<AdamWHyper> hypers_;  // per parameter group
   std::shared_ptr<TraceRecorder> trace_;
   mutable std::mutex mutex_;
