@@ -532,14 +532,15 @@ def test_a_redo_on_a_slow_host_with_late_copies_is_still_exact(precision) -> Non
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_speculative_clipping_steps_the_host_during_backward(speculative) -> None:
-    model = tiny_llama(layers=4)
+    model = tiny_llama(layers=4, hidden=256)  # a backward of tens of ms: the host has time to start a step
     off = offload_ext.Offloader(model, backend="native", device="cpu", max_grad_norm=1e-3,
                                 speculative_clip=speculative)
-    testing.slow_host_steps(off, 2000)  # each step outlasts a layer's backward, so overlap shows clearly
-    offloaded_training(off, model, batches(1))
+    testing.slow_host_steps(off, 1000)
+    data = batches(2, batch=4, seq=64)
+    offloaded_training(off, model, data[:1])
     testing.settle(off)  # the first step's host work stays off the timeline
     with off.trace() as timeline:
-        offloaded_training(off, model, batches(1))
+        offloaded_training(off, model, data[1:])
     off.close()
     _, _, begin, end, _ = next(e for e in timeline.events if e[1] == "backward")
     steps = [e for e in timeline.events if e[0] == "host step" and "step" in e[1] and e[2] >= begin]
