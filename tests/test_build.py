@@ -29,6 +29,4 @@ def test_cuda_parts_were_compiled() -> None:
 
 
 def test_standalone_kernels_use_every_usable_cpu_by_default() -> None:
-    usable = offload_ext.ops.usable_cpu_count()
-    assert usable == len(os.sched_getaffinity(0))
-    assert offload_ext.ops.default_num_threads() == usable
+    assert offload_ext.ops.default_num_threads() == len(os.sched_getaffinity(0))

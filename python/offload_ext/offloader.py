@@ -34,7 +34,7 @@ from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
 from .state import check_state, host_state, load_host_state, model_weights, span_names
 from .step_policy import StepPolicy
-from .timeline import Timeline
+from .timeline import Timeline, span
 
 
 def _sizes(parts: tuple[Part, ...]) -> list[tuple[int, int]]:
@@ -74,8 +74,8 @@ class Offloader(torch.optim.Optimizer):
         no_decay: Sequence[str] = (),
         speculative_clip: bool = True,
     ) -> None:
-        self.options = Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,
-                               slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
+        Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
+                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         specs, group_of = build_groups(model, groups, no_decay)
         for spec in specs:
@@ -177,7 +177,7 @@ class Offloader(torch.optim.Optimizer):
         hypers = self._hypers()
         self._policy.begin_backward(self._backend)
         self._backend.begin_step(hypers)
-        with self._span("backward"):
+        with span(self._timeline, "python", "backward"):
             loss.backward()
 
     def step(self, closure: None = None) -> None:
@@ -190,7 +190,7 @@ class Offloader(torch.optim.Optimizer):
             raise ValueError("Offloader.step: closures are not supported; call backward() then step()")
         self._check_open()
         self._policy.check_step()
-        with self._span("step"):
+        with span(self._timeline, "python", "step"):
             self._finish_step()
 
     def _finish_step(self) -> None:
@@ -203,9 +203,6 @@ class Offloader(torch.optim.Optimizer):
         self._step += 1
         self._policy.end_step()
         self._restart_rings()
-
-    def _span(self, name: str) -> contextlib.AbstractContextManager:
-        return self._timeline.span("python", name) if self._timeline is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def trace(self, path: str | None = None) -> Iterator[Timeline]:

@@ -87,11 +87,6 @@ def default_num_threads() -> int:
     return native().default_num_threads()
 
 
-def usable_cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask), counted as the thread pools count them."""
-    return native().usable_cpu_count()
-
-
 def set_simd_level(level: str) -> None:
     """Choose the kernels' ISA: "scalar", "avx2" or "avx512" (at most what this CPU supports)."""
     native().set_simd_level(level)

@@ -8,6 +8,7 @@ chrome://tracing; benchmarks/plot_timeline.py draws one step of it as a PNG.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class Timeline:
     def write(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
+
+
+def span(timeline: Timeline | None, lane: str, name: str, unit: int = -1) -> contextlib.AbstractContextManager:
+    """A span on `timeline` while one is recording, else nothing."""
+    return timeline.span(lane, name, unit) if timeline is not None else contextlib.nullcontext()
 
 
 class _Span:

@@ -148,15 +148,11 @@ class NativeBackend(Backend):
         return sum(self._engine.sq_norm(u) for u in units)
 
     def clipped_step(self, scale: float) -> None:
-        if self.speculative:
-            if scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
-                for i in sorted(self._flushed):
-                    self._engine.redo(i, scale)
-            if not self.asynchronous:
-                self._engine.wait_all()
-            return
         for i in sorted(self._flushed):
-            self._engine.run(i, self._jobs.SCALE_STEP, scale)
+            if not self.speculative:
+                self._engine.run(i, self._jobs.SCALE_STEP, scale)
+            elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
+                self._engine.redo(i, scale)
         if not self.asynchronous:
             self._engine.wait_all()
 

@@ -12,7 +12,6 @@ page-lock it in the driver page by page (2-3 s for B1's 4 GB).
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 import weakref
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..timeline import Timeline
+from ..timeline import Timeline, span
 from .base import Backend, Hyper, LayerBuffers
 
 
@@ -249,12 +248,12 @@ class PythonBackend(Backend):
         pending, self._pending = self._pending, []
         for index, event in pending:
             t0 = time.perf_counter()
-            with self._traced("wait", f"u{index}'s gradient copy", index):
+            with span(self._timeline, "wait", f"u{index}'s gradient copy", index):
                 self._copies.host_wait(event)
             if index in self._unfolded:
                 self._fold(index)
             waited += time.perf_counter() - t0
-            with self._traced("host step", f"step u{index}", index):
+            with span(self._timeline, "host step", f"step u{index}", index):
                 self._step_layers({index})
         t0 = time.perf_counter()
         for index in list(self._unfolded):  # accumulation without a step here (clipping comes next)
@@ -284,9 +283,6 @@ class PythonBackend(Backend):
                 p.grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
-
-    def _traced(self, lane: str, name: str, unit: int) -> contextlib.AbstractContextManager:
-        return self._timeline.span(lane, name, unit) if self._timeline is not None else contextlib.nullcontext()
 
     def start_trace(self) -> None:
         self._timeline = Timeline()

@@ -107,9 +107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("get_num_threads", [] { return offload_ext::global_pool()->num_threads(); });
   m.def("default_num_threads", &offload_ext::default_num_threads,
-        "The kernel pool's default size: usable CPUs but one, left for the thread that drives the GPU.");
-  m.def("usable_cpu_count", [] { return static_cast<int>(offload_ext::allowed_cpus().size()); },
-        "CPUs this process may run on (its affinity mask), as the thread pools count them.");
+        "The kernel pool's default size: every CPU this process may run on (its affinity mask).");
 
   py::enum_<Direction>(m, "Direction", "The copy stream of Engine.copy.")
       .value("H2D", Direction::kH2D)
