@@ -106,8 +106,8 @@ for step in "${steps[@]}"; do
         resident-clip,native-bf16-clip,native-bf16-clipall ;;
     timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
       run timeline python3 benchmarks/bench_train.py --stem train_b1_timeline --steps 4 --warmup 2 \
-        --modes native-bf16,native-bf16-clipall --trace "$OUT/timelines"
-      for m in native-bf16 native-bf16-clipall; do
+        --modes native-bf16,native-bf16-clipall,native-bf16-accum2 --trace "$OUT/timelines"
+      for m in native-bf16 native-bf16-clipall native-bf16-accum2; do
         run "plot_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines/timeline_$m.json" "$OUT/timeline_b1_$m.png" \
           --title "B1 $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
       done ;;
