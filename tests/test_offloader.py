@@ -94,6 +94,54 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed
+def test_state_dict_after_speculative_steps_continues_the_same_run(precision, max_grad_norm) -> None:
+    # Each speculative step leaves the live state in the other of a unit's two buffers: after an odd number
+    # of steps, the state saved and the state loaded must be the live ones.
+    base, data = tiny_llama(layers=3), batches(5)
+    kw = dict(lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
+              max_grad_norm=max_grad_norm)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:3])
+    saved = off.state_dict()
+    expected = offloaded_training(off, model, data[3:])
+    off.close()
+    resumed_model = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed_model, **kw)
+    offloaded_training(off2, resumed_model, data[:1])  # its buffers swapped once: load into the live ones
+    off2.load_state_dict(saved)
+    assert offloaded_training(off2, resumed_model, data[3:]) == expected
+    off2.close()
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("restore_kernel_settings")
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
+def test_every_simd_level_trains_accumulation_and_speculative_clipping_exactly(level) -> None:
+    # The engine's own passes (a step summing accum + gradient in its read, a step out of place into the
+    # second buffers, a redo from them, the accumulate-and-norm pass) at each instruction set.
+    levels = ["scalar", "avx2", "avx512"]
+    if levels.index(level) > levels.index(offload_ext.supported_simd_level()):
+        pytest.skip(f"this CPU lacks {level}")
+    offload_ext.set_simd_level(level)
+    base, data = tiny_llama(layers=3), batches(4)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2)
+    assert offloaded_training(off, model, data) == ref_losses
+    off.close()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    losses, norms, model, actions = _clipped_run(base, data, "native", "mixed")
+    exact_norms: list[float] = []
+    assert losses == reference_training(base, data, "mixed", LR, WD, micro_batches=2, max_grad_norm=0.5,
+                                        norms=exact_norms, exact_clip=True)[0]
+    assert set(actions) == {"redone"} and norms == pytest.approx(exact_norms, rel=1e-12)
+
+
 def test_close_leaves_an_ordinary_module_with_the_trained_weights() -> None:
     model = tiny_llama(layers=2)
     losses, off = _train(model, "native", "bf16", steps=2)
@@ -546,7 +594,7 @@ def test_speculative_clipping_steps_the_host_during_backward(speculative) -> Non
     steps = [e for e in timeline.events if e[0] == "host step" and "step" in e[1] and e[2] >= begin]
     during = [e for e in steps if e[2] < end]
     if speculative:
-        assert during and all(e[1].startswith("backup + step") for e in during)
-        assert any(e[1].startswith(("restore + scale + step", "scale + step")) for e in steps)  # the redo
+        assert during and all(e[1].startswith("speculative step") for e in during)
+        assert any(e[1].startswith(("scale + step from before (redo)", "scale + step")) for e in steps)  # the redo
     else:
         assert not during  # every step waits for the norm, after backward

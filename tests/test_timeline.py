@@ -59,7 +59,7 @@ def test_the_trace_file_is_a_chrome_trace_with_a_named_lane_per_stream(tmp_path)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == len(events) and all(e["ts"] >= 0 and e["dur"] >= 0 for e in complete)
     jobs = {e["name"].rsplit(" u", 1)[0] for e in complete if e["tid"] == 3}  # the host step lane
-    assert "copy + norm" in jobs and jobs & {"backup + step", "scale + step", "restore + scale + step (redo)"}
+    assert "norm" in jobs and jobs & {"speculative step", "scale + step", "scale + step from before (redo)"}
 
 
 def test_a_second_trace_inside_the_first_is_refused() -> None:

@@ -91,7 +91,7 @@ class Offloader(torch.optim.Optimizer):
         self._step = 0
         self._closed = False
         self._timeline: Timeline | None = None
-        # Speculative clipping needs the native engine's backups; the python backend clips after backward.
+        # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
         self._policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native")
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
@@ -99,7 +99,7 @@ class Offloader(torch.optim.Optimizer):
         self._backend: Backend = make_backend(
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
             grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
-            async_step=async_step is not False, speculative=self._policy.speculative)
+            async_step=async_step is not False, speculative=self._policy.speculative, grad_accum=grad_accum)
         t0 = time.perf_counter()
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))

@@ -30,13 +30,25 @@ class LayerBuffers:
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
     accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (accumulation or clipping)
-    # Speculative clipping (native): the trainable state (param or master, exp_avg, exp_avg_sq) before the
-    # last speculative step, restored by a redo. The engine holds raw pointers: these tensors keep it alive.
-    backup: tuple[torch.Tensor, ...] = ()
+    # Speculative clipping (native): second buffers like (param or master, exp_avg, exp_avg_sq). A speculative
+    # step writes the new state there and they swap roles; the old state stays for a redo ("bf16" steps params
+    # in place and saves their old values in alt[0]). The engine holds raw pointers: these keep them alive.
+    alt: tuple[torch.Tensor, ...] = ()
+    swapped: bool = False  # the fields below point at what was allocated as alt
 
     @property
     def trainable_params(self) -> torch.Tensor:
         return self.params[: self.trainable]
+
+    def swap_state(self) -> None:
+        """A speculative step left the live state in the second buffers: swap the fields' roles."""
+        param, exp_avg, exp_avg_sq = self.alt
+        if self.master is not None:  # mixed: the master moved too
+            self.master, param = param, self.master
+        self.exp_avg, exp_avg = exp_avg, self.exp_avg
+        self.exp_avg_sq, exp_avg_sq = exp_avg_sq, self.exp_avg_sq
+        self.alt = (param, exp_avg, exp_avg_sq)
+        self.swapped = not self.swapped
 
 
 class Backend(ABC):

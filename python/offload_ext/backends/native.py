@@ -40,9 +40,12 @@ class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
-                 speculative: bool = False, **_: Any) -> None:
+                 speculative: bool = False, grad_accum: int = 1, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         self.speculative = speculative  # clipping: step as gradients land, redo exactly if the norm clips
+        # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
+        # own, kept (as its accum) until the norm decides between the step standing and a redo.
+        self._keep_grads = speculative and grad_accum == 1
         self.asynchronous = async_step
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
@@ -60,13 +63,17 @@ class NativeBackend(Backend):
         self._slot_owner: list[int | None] = []  # per slot: the unit whose step reads it
         self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
         self._flushed: set[int] = set()    # units whose gradients came this step
+        self._layers: list[LayerBuffers] = []  # per unit
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
         largest = max(t for _, t in sizes)
-        self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
+        if self._keep_grads:
+            self._grad_slots = 0
+        else:
+            self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
         self._slot_owner = [None] * self._grad_slots
-        if self._slice_elements is None and self._grad_slots < len(sizes):
+        if self._slice_elements is None and 0 < self._grad_slots < len(sizes):
             # The engine steps units in slices so that a lower layer can overtake one already started.
             # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
             # layers the layer that reuses the slot would wait in backward: step whole units instead,
@@ -75,6 +82,8 @@ class NativeBackend(Backend):
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
+        if self._keep_grads:
+            pinned += sum(2 * t + align for _, t in sizes)
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
@@ -82,7 +91,7 @@ class NativeBackend(Backend):
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
-        if own_grads:
+        if own_grads or self._keep_grads:
             self._own_grads.add(self._count)
             grads = e.pinned_empty(max(1, trainable), torch.bfloat16)[:trainable]
         else:
@@ -91,18 +100,19 @@ class NativeBackend(Backend):
         exp_avg = e.host_zeros(trainable, state_dtype)
         exp_avg_sq = e.host_zeros(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
-        accum = e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
+        accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
-        # Speculative clipping keeps the state before each step, for an exact redo.
-        backup = (tuple(e.host_empty(trainable, t.dtype) for t in (stepped, exp_avg, exp_avg_sq))
-                  if self.speculative else ())
-        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, backup)
+        # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
+        alt = (tuple(e.host_zeros(trainable, t.dtype) for t in (stepped, exp_avg, exp_avg_sq))
+               if self.speculative else ())
+        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
-                          backup=list(backup))
+                          alt=list(alt))
         if unit != self._count:
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1
+        self._layers.append(layer)
         return layer
 
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
@@ -117,10 +127,10 @@ class NativeBackend(Backend):
         self._engine.compute_wait(event)
 
     def _job(self) -> Any:
-        """The engine Job a landed gradient copy triggers (with speculation, a BACKUP_STEP follows it)."""
+        """The engine Job a landed gradient copy triggers (with speculation, a SPECULATIVE_STEP follows it)."""
         jobs = self._jobs
         if self.speculative and self._last_micro:
-            return jobs.COPY_NORM if self._first_micro else jobs.ACCUMULATE_NORM
+            return jobs.NORM if self._keep_grads else jobs.ACCUMULATE_NORM
         if not self.accumulate:
             return jobs.STEP
         if self._first_micro:
@@ -157,7 +167,7 @@ class NativeBackend(Backend):
             self._engine.wait_all()
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
-        slot = None if index in self._own_grads else index % self._grad_slots
+        slot = None if index in self._own_grads or self._keep_grads else index % self._grad_slots
         if slot is not None:
             owner = self._slot_owner[slot]
             if owner is not None and owner != index:
@@ -166,7 +176,7 @@ class NativeBackend(Backend):
                 self._engine.wait_unit(owner, reason=reason)
         job = self._job()
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
-                                  then_step=job in (self._jobs.COPY_NORM, self._jobs.ACCUMULATE_NORM))
+                                  then_step=self.speculative and self._last_micro)
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index
@@ -188,6 +198,13 @@ class NativeBackend(Backend):
 
     def settle(self) -> None:
         self._engine.wait_all()
+        self._follow_swaps()
+
+    def _follow_swaps(self) -> None:
+        """Point each layer's state fields at the buffers its speculative steps left live."""
+        for i, layer in enumerate(self._layers):
+            if self.speculative and self._engine.swapped(i) != layer.swapped:
+                layer.swap_state()
 
     def wait_seconds(self) -> float:
         return self._engine.stats()["wait_seconds"]

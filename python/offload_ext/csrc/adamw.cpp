@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace offload_ext {
 
@@ -138,28 +139,71 @@ AdamWCoef make_coef(const AdamWHyper& h) {
   return c;
 }
 
-void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq, int64_t n,
-                const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+namespace {
+
+template <class T>
+T* at(T* p, int64_t i) {
+  return p ? p + i : nullptr;
+}
+
+Bf16Pass offset(const Bf16Pass& a, int64_t i) {
+  return {a.param_in + i, a.param + i, at(a.param_save, i), a.grad + i, at(a.grad_add, i),
+          a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i};
+}
+
+Fp32Pass offset(const Fp32Pass& a, int64_t i) {
+  const size_t grad_size = a.grad_type == GradType::kBF16 ? 2 : 4;
+  return {a.param_in + i, a.param + i, static_cast<const char*>(a.grad) + i * grad_size, a.grad_type,
+          at(a.grad_add, i), a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i,
+          at(a.param_out, i)};
+}
+
+}  // namespace
+
+void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
   const AdamWCoef c = make_coef(h);
   auto span = level == SimdLevel::kAvx512 ? adamw_bf16_span_avx512
               : level == SimdLevel::kAvx2 ? adamw_bf16_span_avx2
                                           : adamw_bf16_span_scalar;
-  for_chunks(n, pool, [&](int64_t b, int64_t e) {
-    span(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c);
-  });
+  for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
 }
 
-void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_avg, float* exp_avg_sq,
-                uint16_t* param_out, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq, int64_t n,
+                const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+  adamw_bf16(Bf16Pass{param, param, nullptr, grad, nullptr, exp_avg, exp_avg, exp_avg_sq, exp_avg_sq}, n, h, pool,
+             level);
+}
+
+void adamw_fp32(const Fp32Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
   const AdamWCoef c = make_coef(h);
   auto span = level == SimdLevel::kAvx512 ? adamw_fp32_span_avx512
               : level == SimdLevel::kAvx2 ? adamw_fp32_span_avx2
                                           : adamw_fp32_span_scalar;
-  const size_t grad_size = grad_type == GradType::kBF16 ? 2 : 4;
-  for_chunks(n, pool, [&](int64_t b, int64_t e) {
-    const void* g = static_cast<const char*>(grad) + b * grad_size;
-    span(param + b, g, grad_type, exp_avg + b, exp_avg_sq + b, param_out ? param_out + b : nullptr, e - b, c);
+  for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
+}
+
+void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_avg, float* exp_avg_sq,
+                uint16_t* param_out, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+  adamw_fp32(Fp32Pass{param, param, grad, grad_type, nullptr, exp_avg, exp_avg, exp_avg_sq, exp_avg_sq, param_out},
+             n, h, pool, level);
+}
+
+double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
+                       SimdLevel level) {
+  auto span = level == SimdLevel::kAvx512 ? accumulate_span_avx512
+              : level == SimdLevel::kAvx2 ? accumulate_span_avx2
+                                          : accumulate_span_scalar;
+  // Fixed chunks, partial sums added in chunk order: the norm does not depend on the thread count.
+  constexpr int64_t kNormChunk = int64_t{1} << 18;
+  const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  pool.parallel_for(chunks, [&](int64_t t) {
+    const int64_t b = t * kNormChunk;
+    partial[static_cast<size_t>(t)] = span(accum + b, grad ? grad + b : nullptr, std::min(n, b + kNormChunk) - b, norm);
   });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
 }
 
 }  // namespace offload_ext

@@ -58,21 +58,58 @@ AdamWCoef make_coef(const AdamWHyper& h);
 
 enum class GradType { kBF16, kFP32 };
 
+// Where one AdamW pass reads and writes (pointers at element 0 of the span). In place, each *_out
+// equals its *_in. Out of place, the state before the pass survives: speculative clipping redoes a
+// step from it. `grad_add` (optional, bf16): the step uses bf16(grad_add + grad), one rounding, as
+// torch sums .grad over micro-batches, so the last micro-batch needs no separate accumulate pass.
+struct Bf16Pass {
+  const uint16_t* param_in;
+  uint16_t* param;             // the stepped param (bf16 mode: also what the next forward copies)
+  uint16_t* param_save;        // optional: param_in's values before the pass
+  const uint16_t* grad;
+  const uint16_t* grad_add;
+  const uint16_t* exp_avg_in;
+  uint16_t* exp_avg;
+  const uint16_t* exp_avg_sq_in;
+  uint16_t* exp_avg_sq;
+};
+
+struct Fp32Pass {
+  const float* param_in;       // fp32 master
+  float* param;
+  const void* grad;
+  GradType grad_type;
+  const uint16_t* grad_add;    // bf16 grads only
+  const float* exp_avg_in;
+  float* exp_avg;
+  const float* exp_avg_sq_in;
+  float* exp_avg_sq;
+  uint16_t* param_out;         // optional: the stepped param rounded to bf16
+};
+
 // "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32.
+void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
 void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
-                int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
+                int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);  // in place
 
 // "mixed" and "fp32" modes: fp32 master param and states, grad bf16 or fp32; when param_out is
 // not null the updated param is also written there rounded to bf16 in the same pass.
+void adamw_fp32(const Fp32Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
 void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_avg, float* exp_avg_sq,
                 uint16_t* param_out, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
 
+// Gradient sums for accumulation and clipping, bf16 spans, fp32 math: accum = bf16(accum + grad)
+// (grad null: accum unchanged); returns the float64 sum of squares of the resulting accum when `norm`
+// (each square is exact in fp32: a bf16 mantissa squared fits), else 0. The sum's order is fixed by
+// the ISA and fixed chunks, not by the thread count.
+double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
+                       SimdLevel level);
+
 // Per-ISA span kernels, each defined in its own translation unit compiled for that ISA.
-#define OFFLOAD_EXT_DECLARE_SPANS(isa)                                                              \
-  void adamw_bf16_span_##isa(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v, int64_t n, \
-                             const AdamWCoef& c);                                                  \
-  void adamw_fp32_span_##isa(float* p, const void* g, GradType gt, float* m, float* v,            \
-                             uint16_t* out, int64_t n, const AdamWCoef& c);
+#define OFFLOAD_EXT_DECLARE_SPANS(isa)                                               \
+  void adamw_bf16_span_##isa(const Bf16Pass& pass, int64_t n, const AdamWCoef& c);   \
+  void adamw_fp32_span_##isa(const Fp32Pass& pass, int64_t n, const AdamWCoef& c);   \
+  double accumulate_span_##isa(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm);
 OFFLOAD_EXT_DECLARE_SPANS(scalar)
 OFFLOAD_EXT_DECLARE_SPANS(avx2)
 OFFLOAD_EXT_DECLARE_SPANS(avx512)

@@ -43,6 +43,22 @@ struct Avx2Vec {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F round_bf16(F x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(x)), 16)); }
+  using D = __m256d;  // float64 sums of squares: the low and the high 4 lanes
+  static D dzero() { return _mm256_setzero_pd(); }
+  static void add_squares(D& lo, D& hi, F x) {
+    const F sq = _mm256_mul_ps(x, x);  // exact: a bf16 value squared fits a float
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+  }
+  static double dsum(D lo, D hi) {
+    alignas(32) double l[4], h[4];
+    _mm256_store_pd(l, lo);
+    _mm256_store_pd(h, hi);
+    double s = 0.0;
+    for (int k = 0; k < 4; ++k) s += l[k] + h[k];
+    return s;
+  }
 };
 
 }  // namespace

@@ -40,6 +40,23 @@ struct Avx512Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F round_bf16(F x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16)); }
+  using D = __m512d;  // float64 sums of squares: the low and the high 8 lanes
+  static D dzero() { return _mm512_setzero_pd(); }
+  static void add_squares(D& lo, D& hi, F x) {
+    const F sq = _mm512_mul_ps(x, x);  // exact: a bf16 value squared fits a float
+    const __m256 high = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(sq), 1));
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high));
+  }
+  static double dsum(D lo, D hi) {
+    alignas(64) double l[8], h[8];
+    _mm512_store_pd(l, lo);
+    _mm512_store_pd(h, hi);
+    double s = 0.0;
+    for (int k = 0; k < 8; ++k) s += l[k] + h[k];
+    return s;
+  }
 };
 
 }  // namespace

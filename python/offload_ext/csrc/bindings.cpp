@@ -117,13 +117,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("STEP", Job::kStep, "step with the landed gradient")
       .value("ACCUMULATE_FIRST", Job::kAccumulateFirst, "accum = landed gradient (first micro-batch)")
       .value("ACCUMULATE", Job::kAccumulate, "accum += landed gradient, in bf16")
-      .value("ACCUMULATE_STEP", Job::kAccumulateStep, "accum += landed gradient, then step (last micro-batch)")
+      .value("ACCUMULATE_STEP", Job::kAccumulateStep,
+             "step with accum + landed gradient, summed in the step's pass (last micro-batch; accum is not written)")
       .value("NORM", Job::kNorm, "sum of squares of accum, read with Engine.sq_norm")
       .value("SCALE_STEP", Job::kScaleStep, "accum *= scale (rounded to bf16), then step")
-      .value("COPY_NORM", Job::kCopyNorm, "accum = landed gradient, then its sum of squares (speculative clipping)")
       .value("ACCUMULATE_NORM", Job::kAccumulateNorm, "accum += landed gradient, then its sum of squares")
-      .value("BACKUP_STEP", Job::kBackupStep, "backup = state, then step with accum (speculative)")
-      .value("RESTORE_SCALE_STEP", Job::kRestoreScaleStep, "state = backup, accum *= scale, step (the redo)");
+      .value("SPECULATIVE_STEP", Job::kSpeculativeStep,
+             "step with accum into the second state buffers, which become the live ones (speculative clipping)")
+      .value("REDO", Job::kRedo, "accum *= scale, step again from the state before the speculative step");
 
   // Opaque to Python: handed back to Engine.compute_wait.
   py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy.");
@@ -144,9 +145,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
            py::arg("groups") = std::vector<std::tuple<int, int64_t, int64_t>>{},
-           py::arg("backup") = std::vector<at::Tensor>{},
+           py::arg("alt") = std::vector<at::Tensor>{},
            "A unit to step; `groups`: (parameter group, begin, end) ranges covering it, in order (default: all "
-           "of it in group 0); `backup`: [like param, like exp_avg, like exp_avg_sq] for speculative clipping.")
+           "of it in group 0); `alt`: second state buffers [like param, like exp_avg, like exp_avg_sq] for "
+           "speculative clipping.")
       .def("set_hyper", &Engine::set_hyper, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("step"), py::arg("group") = 0)
       .def("notify", &Engine::notify, py::arg("unit"), "Queue a step of `unit` with gradients already in place.")
@@ -167,6 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait_all", &Engine::wait_all, Release())
       .def("ready", &Engine::ready, py::arg("unit"),
            "Whether every announced job of `unit` is done (a copy from its params is safe), without waiting.")
+      .def("swapped", &Engine::swapped, py::arg("unit"),
+           "Whether the unit's live state is in its second (alt) buffers: after an odd number of speculative steps.")
       .def("check", &Engine::check, "Raise a failed step's error, if any, without waiting.")
       .def("set_slice_elements", &Engine::set_slice_elements, py::arg("elements"),
            "Elements a job steps before the scheduler chooses again (a lower unit may go first); results do "

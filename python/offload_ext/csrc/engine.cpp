@@ -37,9 +37,11 @@ int checked_threads(int num_threads) {
 // Threads for one-off set-up work (making and page-locking slabs): every CPU; training has not started.
 int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
 
+bool is_norm_job(Job job) { return job == Job::kNorm || job == Job::kAccumulateNorm; }
+
 bool is_copy_job(Job job) {
   return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep ||
-         job == Job::kCopyNorm || job == Job::kAccumulateNorm;
+         is_norm_job(job);
 }
 
 // A job announced to the scheduler while it is being enqueued, taken back unless commit() is reached.
@@ -100,10 +102,10 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
               "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
   TORCH_CHECK(is_copy_job(job), "Engine.copy: expected a job a landed gradient triggers (Job.STEP, "
-              "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, COPY_NORM or ACCUMULATE_NORM), got ",
-              num(static_cast<int64_t>(job)), "; NORM and SCALE_STEP are queued with Engine.run");
-  TORCH_CHECK(!then_step || job == Job::kCopyNorm || job == Job::kAccumulateNorm, "Engine.copy: then_step (a "
-              "speculative BACKUP_STEP behind the norm) goes with Job.COPY_NORM or Job.ACCUMULATE_NORM only");
+              "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, NORM or ACCUMULATE_NORM), got ",
+              num(static_cast<int64_t>(job)), "; SCALE_STEP, SPECULATIVE_STEP and REDO are queued by the engine");
+  TORCH_CHECK(!then_step || is_norm_job(job), "Engine.copy: then_step (a SPECULATIVE_STEP behind the norm) goes "
+              "with Job.NORM or Job.ACCUMULATE_NORM only");
   TORCH_CHECK(notify_unit >= 0 || job == Job::kStep, "Engine.copy: a job is only queued for a notify_unit; "
               "pass notify_unit= the unit whose gradients this copy brings");
   check_flat(dst, "the copy's destination");
@@ -134,7 +136,7 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   if (notify_unit < 0) {
     return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   }
-  PendingJob pending(*scheduler_, notify_unit, job == Job::kCopyNorm || job == Job::kAccumulateNorm);
+  PendingJob pending(*scheduler_, notify_unit, is_norm_job(job));
   std::optional<PendingJob> pending_step;
   if (then_step) pending_step.emplace(*scheduler_, notify_unit);
   on_done = [sched = scheduler_, notify_unit, job, then_step, traced = std::move(on_done)] {
@@ -187,7 +189,7 @@ int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                      const std::optional<at::Tensor>& accum,
                      const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
-                     const std::vector<at::Tensor>& backup) {
+                     const std::vector<at::Tensor>& alt) {
   StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
   if (accum.has_value()) {
     check_span("Engine.add_unit", *accum, "accum", u.numel);
@@ -196,20 +198,20 @@ int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::
                 grad.scalar_type(), " and accum ", accum->scalar_type());
     u.accum = reinterpret_cast<uint16_t*>(accum->data_ptr());
   }
-  if (!backup.empty()) {
-    TORCH_CHECK(backup.size() == 3 && u.accum != nullptr, "Engine.add_unit: a backup (speculative clipping) is three "
-                "tensors like param, exp_avg and exp_avg_sq, and needs an accum; got ",
-                num(static_cast<int64_t>(backup.size())), " tensors", u.accum ? "" : " and no accum");
+  if (!alt.empty()) {
+    TORCH_CHECK(alt.size() == 3 && u.accum != nullptr, "Engine.add_unit: the second state buffers (speculative "
+                "clipping) are three tensors like param, exp_avg and exp_avg_sq, and need an accum; got ",
+                num(static_cast<int64_t>(alt.size())), " tensors", u.accum ? "" : " and no accum");
     const at::Tensor* like[] = {&param, &exp_avg, &exp_avg_sq};
-    const char* names[] = {"backup[0] (like param)", "backup[1] (like exp_avg)", "backup[2] (like exp_avg_sq)"};
+    const char* names[] = {"alt[0] (like param)", "alt[1] (like exp_avg)", "alt[2] (like exp_avg_sq)"};
     for (int k = 0; k < 3; ++k) {
-      check_span("Engine.add_unit", backup[k], names[k], u.numel);
-      TORCH_CHECK(backup[k].scalar_type() == like[k]->scalar_type(), "Engine.add_unit: expected ", names[k],
-                  " of dtype ", like[k]->scalar_type(), ", got ", backup[k].scalar_type());
+      check_span("Engine.add_unit", alt[k], names[k], u.numel);
+      TORCH_CHECK(alt[k].scalar_type() == like[k]->scalar_type(), "Engine.add_unit: expected ", names[k],
+                  " of dtype ", like[k]->scalar_type(), ", got ", alt[k].scalar_type());
     }
-    u.backup_param = backup[0].data_ptr();
-    u.backup_exp_avg = backup[1].data_ptr();
-    u.backup_exp_avg_sq = backup[2].data_ptr();
+    u.alt_param = alt[0].data_ptr();
+    u.alt_exp_avg = alt[1].data_ptr();
+    u.alt_exp_avg_sq = alt[2].data_ptr();
   }
   std::vector<GroupRange> ranges;
   for (const auto& [group, begin, end] : groups) ranges.push_back({group, begin, end});

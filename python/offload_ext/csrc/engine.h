@@ -46,7 +46,7 @@ class Engine {
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
-               const std::vector<at::Tensor>& backup);
+               const std::vector<at::Tensor>& alt);
   // Hyperparameters of parameter group `group` for the units notified from now on.
   void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int group);
   // Queues a step of `unit` whose gradients are already in place.
@@ -61,6 +61,7 @@ class Engine {
   void wait_unit(int unit, const std::string& reason);
   void wait_all();
   bool ready(int unit) const { return scheduler_->ready(unit); }
+  bool swapped(int unit) const { return scheduler_->swapped(unit); }
   void check() { scheduler_->check(); }
   void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }
   SchedulerStats scheduler_stats() const { return scheduler_->stats(); }

@@ -47,6 +47,7 @@ int StepScheduler::add_unit(const StepUnit& unit, std::vector<GroupRange> groups
   expected_.push_back(0);
   stepped_.push_back(0);
   sq_norms_.push_back(0.0);
+  swapped_.push_back(false);
   waiters_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
@@ -66,17 +67,16 @@ const char* job_name(Job job) {
     case Job::kAccumulateStep: return "accumulate + step";
     case Job::kNorm: return "norm";
     case Job::kScaleStep: return "scale + step";
-    case Job::kCopyNorm: return "copy + norm";
     case Job::kAccumulateNorm: return "accumulate + norm";
-    case Job::kBackupStep: return "backup + step";
-    case Job::kRestoreScaleStep: return "restore + scale + step (redo)";
+    case Job::kSpeculativeStep: return "speculative step";
+    case Job::kRedo: return "scale + step from before (redo)";
   }
   return "?";
 }
 
 namespace {
-bool carries_norm(Job job) { return job == Job::kNorm || job == Job::kCopyNorm || job == Job::kAccumulateNorm; }
-bool needs_backup(Job job) { return job == Job::kBackupStep || job == Job::kRestoreScaleStep; }
+bool carries_norm(Job job) { return job == Job::kNorm || job == Job::kAccumulateNorm; }
+bool speculative(Job job) { return job == Job::kSpeculativeStep || job == Job::kRedo; }
 }  // namespace
 
 void StepScheduler::set_trace(std::shared_ptr<TraceRecorder> trace) {
@@ -113,12 +113,12 @@ void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
       error_ = std::make_exception_ptr(std::invalid_argument(
           "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
     }
-    if ((then_step || needs_backup(job)) && units_[id].backup_param == nullptr && !error_) {
+    if ((then_step || speculative(job)) && units_[id].alt_param == nullptr && !error_) {
       error_ = std::make_exception_ptr(std::invalid_argument(
-          "StepScheduler: unit " + std::to_string(id) + " has no backup for speculative clipping"));
+          "StepScheduler: unit " + std::to_string(id) + " has no second state buffers for speculative clipping"));
     }
     queue_.push_back({id, hypers_, job, scale});
-    if (then_step) queue_.push_back({id, hypers_, Job::kBackupStep, 1.0f});
+    if (then_step) queue_.push_back({id, hypers_, Job::kSpeculativeStep, 1.0f});
   }
   work_cv_.notify_one();
 }
@@ -132,44 +132,6 @@ constexpr int64_t kChunk = int64_t{1} << 18;
 template <class Fn>
 void for_fixed_chunks(int64_t n, ThreadPool& pool, const Fn& fn) {
   pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) { fn(t, t * kChunk, std::min(n, (t + 1) * kChunk)); });
-}
-
-// accum += g over bf16 spans (fp32 math, one rounding).
-void bf16_accumulate(uint16_t* accum, const uint16_t* g, int64_t n, ThreadPool& pool) {
-  for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) accum[i] = bf16_round_bits(bf16_to_float(accum[i]) + bf16_to_float(g[i]));
-  });
-}
-
-// dst = src over `bytes`, in fixed chunks across the pool.
-void parallel_copy(void* dst, const void* src, int64_t bytes, ThreadPool& pool) {
-  for_fixed_chunks(bytes, pool, [&](int64_t, int64_t begin, int64_t end) {
-    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
-                static_cast<size_t>(end - begin));
-  });
-}
-
-// The state a step changes (param or master, both moments): saved to, or restored from, the backup.
-void copy_state(const StepUnit& u, bool save, ThreadPool& pool) {
-  const int64_t bytes = u.numel * (u.bf16_mode ? 2 : 4);
-  void* live[] = {u.param, u.exp_avg, u.exp_avg_sq};
-  void* saved[] = {u.backup_param, u.backup_exp_avg, u.backup_exp_avg_sq};
-  for (int k = 0; k < 3; ++k) parallel_copy(save ? saved[k] : live[k], save ? live[k] : saved[k], bytes, pool);
-}
-
-double bf16_sq_norm(const uint16_t* g, int64_t n, ThreadPool& pool) {
-  std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
-  for_fixed_chunks(n, pool, [&](int64_t t, int64_t begin, int64_t end) {
-    double sum = 0.0;
-    for (int64_t i = begin; i < end; ++i) {
-      const double x = bf16_to_float(g[i]);
-      sum += x * x;
-    }
-    partial[static_cast<size_t>(t)] = sum;
-  });
-  double total = 0.0;
-  for (double p : partial) total += p;  // fixed order: the same result on any thread count
-  return total;
 }
 
 void bf16_scale(uint16_t* g, float scale, int64_t n, ThreadPool& pool) {
@@ -189,10 +151,10 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
   const int64_t state = u.bf16_mode ? 2 : 4;  // bytes per param / moment element
   const int64_t grad = u.bf16_mode || u.grad_type == GradType::kBF16 ? 2 : 4;
   StepUnit s = u;
-  if (u.backup_param != nullptr) {
-    s.backup_param = static_cast<char*>(u.backup_param) + begin * state;
-    s.backup_exp_avg = static_cast<char*>(u.backup_exp_avg) + begin * state;
-    s.backup_exp_avg_sq = static_cast<char*>(u.backup_exp_avg_sq) + begin * state;
+  if (u.alt_param != nullptr) {
+    s.alt_param = static_cast<char*>(u.alt_param) + begin * state;
+    s.alt_exp_avg = static_cast<char*>(u.alt_exp_avg) + begin * state;
+    s.alt_exp_avg_sq = static_cast<char*>(u.alt_exp_avg_sq) + begin * state;
   }
   s.param = static_cast<char*>(u.param) + begin * state;
   s.grad = static_cast<const char*>(u.grad) + begin * grad;
@@ -204,73 +166,104 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
   return s;
 }
 
+// Where a step reads its state and writes the result (see StepUnit's second buffers).
+enum class Flow {
+  kInPlace,
+  kToAlt,    // speculative: from the live state into the second buffers (bf16: param in place, saved)
+  kFromAlt,  // redo, after the swap: from the state before the speculative step into the live one
+};
+
+void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, Flow flow, const AdamWHyper& h,
+               ThreadPool& pool) {
+  const bool to = flow == Flow::kToAlt, from = flow == Flow::kFromAlt;
+  void* m_out = to ? u.alt_exp_avg : u.exp_avg;
+  void* v_out = to ? u.alt_exp_avg_sq : u.exp_avg_sq;
+  const void* m_in = from ? u.alt_exp_avg : u.exp_avg;
+  const void* v_in = from ? u.alt_exp_avg_sq : u.exp_avg_sq;
+  const void* p_in = from ? u.alt_param : u.param;
+  const SimdLevel level = active_simd_level();
+  if (u.bf16_mode) {
+    auto* p = static_cast<uint16_t*>(u.param);
+    adamw_bf16(Bf16Pass{static_cast<const uint16_t*>(p_in), p, to ? static_cast<uint16_t*>(u.alt_param) : nullptr,
+                        static_cast<const uint16_t*>(grad), grad_add, static_cast<const uint16_t*>(m_in),
+                        static_cast<uint16_t*>(m_out), static_cast<const uint16_t*>(v_in),
+                        static_cast<uint16_t*>(v_out)},
+               u.numel, h, pool, level);
+  } else {
+    adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(to ? u.alt_param : u.param), grad,
+                        u.grad_type, grad_add, static_cast<const float*>(m_in), static_cast<float*>(m_out),
+                        static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out},
+               u.numel, h, pool, level);
+  }
+}
+
+// After a speculative step the second buffers hold the live state, and the first the state before.
+void swap_state(StepUnit& u) {
+  std::swap(u.exp_avg, u.alt_exp_avg);
+  std::swap(u.exp_avg_sq, u.alt_exp_avg_sq);
+  if (!u.bf16_mode) std::swap(u.param, u.alt_param);  // bf16: the param stays (stepped in place)
+}
+
 }  // namespace
 
 void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
                         const Queued& job) {
   const StepUnit unit = sub_unit(whole, begin, end);
   const auto* landed = static_cast<const uint16_t*>(unit.grad);
+  const SimdLevel level = active_simd_level();
+  const void* grad = unit.accum;
+  const uint16_t* grad_add = nullptr;
+  Flow flow = Flow::kInPlace;
   switch (job.job) {
     case Job::kAccumulateFirst:
       bf16_copy(unit.accum, landed, unit.numel, *pool_);
       return;
     case Job::kAccumulate:
-      bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
+      bf16_accumulate(unit.accum, landed, unit.numel, false, *pool_, level);
       return;
-    case Job::kAccumulateStep:
-      bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
+    case Job::kAccumulateStep:  // the sum is formed inside the step: no pass of its own
+      grad = landed;
+      grad_add = unit.accum;
       break;
-    case Job::kCopyNorm:
-    case Job::kAccumulateNorm:
-      if (job.job == Job::kCopyNorm) {
-        bf16_copy(unit.accum, landed, unit.numel, *pool_);
-      } else {
-        bf16_accumulate(unit.accum, landed, unit.numel, *pool_);
-      }
-      [[fallthrough]];
-    case Job::kNorm: {
-      const double sq = bf16_sq_norm(unit.accum, unit.numel, *pool_);
+    case Job::kNorm:
+    case Job::kAccumulateNorm: {
+      const double sq = bf16_accumulate(unit.accum, job.job == Job::kNorm ? nullptr : landed, unit.numel, true,
+                                        *pool_, level);
       std::lock_guard<std::mutex> lock(mutex_);
       sq_norms_[job.unit] = sq;
       return;
     }
-    case Job::kBackupStep:
-      copy_state(unit, true, *pool_);
+    case Job::kSpeculativeStep:
+      flow = Flow::kToAlt;
       break;
-    case Job::kRestoreScaleStep:
-      copy_state(unit, false, *pool_);
-      if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
-      break;
+    case Job::kRedo:
+      flow = Flow::kFromAlt;
+      [[fallthrough]];
     case Job::kScaleStep:
       if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
       break;
     case Job::kStep:
+      grad = landed;
       break;
   }
   // AdamW is elementwise: stepping the slice piece by piece, each with its group's hyperparameters,
   // gives the same values as one pass would with those hyperparameters.
+  const int64_t grad_size = unit.bf16_mode || unit.grad_type == GradType::kBF16 ? 2 : 4;
   for (const GroupRange& g : groups) {
     const int64_t a = std::max(begin, g.begin), b = std::min(end, g.end);
     if (a >= b) continue;
     if (static_cast<size_t>(g.group) >= job.hypers.size()) {
       throw std::runtime_error("StepScheduler: no hyperparameters set for parameter group " + std::to_string(g.group));
     }
-    const StepUnit piece = sub_unit(whole, a, b);
-    adamw_unit(piece, job.job == Job::kStep ? piece.grad : piece.accum, job.hypers[static_cast<size_t>(g.group)],
-               *pool_);
+    const int64_t at = a - begin;  // within this slice
+    const StepUnit piece = sub_unit(unit, at, at + (b - a));
+    step_pass(piece, static_cast<const char*>(grad) + at * grad_size, grad_add ? grad_add + at : nullptr, flow,
+              job.hypers[static_cast<size_t>(g.group)], *pool_);
   }
 }
 
 void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool) {
-  const SimdLevel level = active_simd_level();
-  if (unit.bf16_mode) {
-    adamw_bf16(static_cast<uint16_t*>(unit.param), static_cast<const uint16_t*>(grad),
-               static_cast<uint16_t*>(unit.exp_avg), static_cast<uint16_t*>(unit.exp_avg_sq), unit.numel, h,
-               pool, level);
-  } else {
-    adamw_fp32(static_cast<float*>(unit.param), grad, unit.grad_type, static_cast<float*>(unit.exp_avg),
-               static_cast<float*>(unit.exp_avg_sq), unit.param_out, unit.numel, h, pool, level);
-  }
+  step_pass(unit, grad, nullptr, Flow::kInPlace, h, pool);
 }
 
 void StepScheduler::loop() {
@@ -331,6 +324,10 @@ void StepScheduler::loop() {
       }
       ++stepped_[job.unit];
       if (carries_norm(job.job)) --norms_pending_;
+      if (job.job == Job::kSpeculativeStep && !skip) {
+        swap_state(units_[job.unit]);
+        swapped_[job.unit] = !swapped_[job.unit];
+      }
       if (!skip) ++stats_.units_stepped;
     }
     done_cv_.notify_all();
@@ -387,6 +384,12 @@ void StepScheduler::wait(int id) {
   rethrow_locked();
 }
 
+bool StepScheduler::swapped(int id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit_locked(id);
+  return swapped_[id];
+}
+
 bool StepScheduler::ready(int id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit_locked(id);
@@ -434,7 +437,7 @@ void StepScheduler::redo(int id, float scale) {
     check_unit_locked(id);
     for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
       if (it->unit != id) continue;
-      if (it->job == Job::kBackupStep && it->begin == 0) {  // not started: step once, clipped
+      if (it->job == Job::kSpeculativeStep && it->begin == 0) {  // not started: step once, clipped, in place
         it->job = Job::kScaleStep;
         it->scale = scale;
         return;
@@ -442,7 +445,7 @@ void StepScheduler::redo(int id, float scale) {
       break;
     }
     ++expected_[id];
-    queue_.push_back({id, hypers_, Job::kRestoreScaleStep, scale});
+    queue_.push_back({id, hypers_, Job::kRedo, scale});
   }
   work_cv_.notify_one();
 }

@@ -30,12 +30,14 @@ struct StepUnit {
   void* exp_avg;
   void* exp_avg_sq;
   uint16_t* param_out;      // fp32 mode only, may be null
-  uint16_t* accum;          // bf16 gradient accumulator over micro-batches; null without accumulation
-  // Speculative clipping: the state before a speculative step (param or fp32 master, and the moments,
-  // in their own dtypes), restored by a redo; null without it.
-  void* backup_param;
-  void* backup_exp_avg;
-  void* backup_exp_avg_sq;
+  uint16_t* accum;          // bf16 gradient sum (accumulation), or the landed gradient kept for a redo; else null
+  // Speculative clipping: second state buffers, null without it. A speculative step writes the moments
+  // (mixed: and the master) there, and they become the live ones: the state before the step survives
+  // for an exact redo. bf16 mode steps the param in place (the next forward copies it from there) and
+  // saves its value before the step to alt_param.
+  void* alt_param;
+  void* alt_exp_avg;
+  void* alt_exp_avg_sq;
   int64_t numel;
 };
 
@@ -54,14 +56,13 @@ enum class Job {
   kStep = 0,            // step with the landed gradient
   kAccumulateFirst = 1, // accum = landed gradient (first micro-batch)
   kAccumulate = 2,      // accum += landed gradient, in bf16 like torch's .grad accumulation
-  kAccumulateStep = 3,  // accum += landed gradient, then step with accum (last micro-batch)
+  kAccumulateStep = 3,  // step with bf16(accum + landed gradient), summed inside the step (last micro-batch)
   kNorm = 4,            // sum of squares of accum, kept for sq_norm() (gradient clipping)
   kScaleStep = 5,       // accum *= scale (rounded to bf16, like torch's clipping), then step with accum
   // Speculative clipping: the norm of the summed gradient is known before any step is final.
-  kCopyNorm = 6,        // accum = landed gradient, then its sum of squares (kept for sq_norm())
-  kAccumulateNorm = 7,  // accum += landed gradient, then its sum of squares
-  kBackupStep = 8,      // backup = state, then step with accum (committed unless a redo follows)
-  kRestoreScaleStep = 9,  // state = backup, accum *= scale, then step with accum (the exact redo)
+  kAccumulateNorm = 7,  // accum += landed gradient, then its sum of squares (one pass)
+  kSpeculativeStep = 8, // step with accum into the second state buffers, which become the live ones
+  kRedo = 9,            // accum *= scale, then step again from the state before the speculative step
 };
 
 // A job's name on the timeline.
@@ -92,22 +93,24 @@ class StepScheduler {
   // Takes back one expect(id) whose job will never be notified (its copy failed to enqueue), so waits
   // stop covering it. Requires that expect(id) call, which checked id.
   void withdraw(int id, bool norm = false);
-  // Unit `id`'s gradients are in place: queue its job (and, with then_step, its speculative kBackupStep
+  // Unit `id`'s gradients are in place: queue its job (and, with then_step, its kSpeculativeStep
   // behind it, in the same critical section: a redo must never see the norm without the step). Safe from
   // any thread.
   void notify(int id, Job job = Job::kStep, float scale = 1.0f, bool then_step = false);
   // The last norm result of unit `id` (after waiting for it).
   double sq_norm(int id) const;
-  // Block until every queued norm (kNorm, kCopyNorm, kAccumulateNorm) is done; meanwhile norms go first.
+  // Block until every queued norm (kNorm, kAccumulateNorm) is done; meanwhile norms go first.
   void wait_norms();
-  // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kBackupStep not yet started
-  // becomes a kScaleStep; else a kRestoreScaleStep is queued behind it.
+  // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kSpeculativeStep not yet
+  // started becomes an in-place kScaleStep; else a kRedo is queued behind it.
   void redo(int id, float scale);
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   // While someone waits on a unit, its queued jobs go before all others.
   void wait(int id);
   // Whether every announced job of unit `id` is done (no waiting).
   bool ready(int id) const;
+  // Whether unit `id`'s live state is in its second buffers (an odd number of speculative steps so far).
+  bool swapped(int id) const;
   void wait_all();
   // Rethrows a pending failure without waiting.
   void check();
@@ -148,6 +151,7 @@ class StepScheduler {
   std::vector<int64_t> expected_;  // per unit: steps announced by expect()
   std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
   std::vector<double> sq_norms_;   // per unit: the last kNorm result
+  std::vector<bool> swapped_;      // per unit: see swapped()
   std::vector<int> waiters_;       // per unit: callers blocked in wait()
   int64_t norms_pending_ = 0;      // announced norm jobs not yet done
   int norm_waiters_ = 0;           // callers blocked in wait_norms()
