@@ -1,4 +1,4 @@
-"""B1: training step time side by side — GPU-resident, python backend, native backend — in bf16 and mixed.
+"""B1: training step time side by side — GPU-resident, python backend, native backend, DeepSpeed — in bf16 and mixed.
 
 Random-init Llama from a config (no download; Llama-3.2-1B shape by default), bf16 compute, activation
 checkpointing, batch 4 x 2048. Median step time over --steps after --warmup, tok/s, ratios to
@@ -16,10 +16,18 @@ per step). Each offloaded mode's ratio is to the resident mode of the same recip
 The host busy column is the engine's stepping time per step; step minus busy is the time the host had
 nothing to step.
 
+deepspeed-precision[-recipe] (e.g. deepspeed-bf16, deepspeed-bf16-clipall, deepspeed-mixed-accum2) is
+DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory and DeepSpeedCPUAdam, one
+process on one GPU, under the same GPU cap, loss, checkpointing and AdamW settings (benchmarks/_deepspeed.py;
+bf16: bf16 masters and moments as native-bf16, mixed: DeepSpeed's stock fp32 masters as native-mixed).
+Below the table, each DeepSpeed mode's step time over the native mode of the same precision and recipe.
+A DeepSpeed mode that cannot run (not installed, initialize failed) shows the error in its row.
+
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
     python benchmarks/bench_train.py --modes resident-clipall,native-bf16-clipall,resident-accum2,native-bf16-accum2
     python benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --modes resident,native-bf16   # B2, capped
+    python benchmarks/bench_train.py --modes resident,native-bf16,deepspeed-bf16,native-mixed,deepspeed-mixed
     python benchmarks/bench_train.py --layers 2 --hidden 256 --intermediate 512 --seq 256  # smoke run
 """
 from __future__ import annotations
@@ -31,11 +39,13 @@ import dataclasses
 import os
 import statistics
 import time
+import traceback
 from typing import Any, Iterator
 
 import torch
 
 import _common
+import _deepspeed
 import offload_ext
 from offload_ext import testing
 
@@ -51,12 +61,14 @@ PRESETS = {
                untied=True),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+# AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
     name: str
-    backend: str                   # "resident", "python" or "native"
+    backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
     options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync
     clip: str | None = None        # a key of CLIP_NORMS
@@ -73,6 +85,9 @@ class Mode:
         clip = next((o for o in rest if o in CLIP_NORMS), None)
         accum = next((int(o[5:]) for o in rest if o.startswith("accum")), 1)
         options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith("accum"))
+        if backend == "deepspeed" and (options or precision not in _deepspeed.PRECISIONS):
+            raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
+                             "and recipe suffixes only")
         return cls(name, backend, precision, options, clip, accum)
 
     def option(self, prefix: str) -> int | None:
@@ -160,7 +175,8 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
 
 
 def _setup(mode: Mode, base: torch.nn.Module, a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
-    """(model, Offloader or None, device optimizer or None) for `mode`, GPU memory capped for offload."""
+    """(model, Offloader or None, device optimizer or _deepspeed.ZeroRun or None) for `mode`, GPU memory
+    capped for every offloaded mode (DeepSpeed's included)."""
     model = copy.deepcopy(base)
     if a.device == "cuda":
         cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
@@ -171,8 +187,18 @@ def _setup(mode: Mode, base: torch.nn.Module, a: argparse.Namespace) -> tuple[to
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
-        return model, None, torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
-    off = offload_ext.Offloader(model, lr=a.lr, precision=mode.precision, backend=mode.backend, device=a.device,
+        return model, None, torch.optim.AdamW(model.parameters(), lr=a.lr, betas=BETAS, eps=EPS,
+                                              weight_decay=WEIGHT_DECAY, fused=True)
+    if mode.backend == "deepspeed":
+        if a.compile:
+            raise RuntimeError("deepspeed modes do not take --compile")
+        offload_ext.enable_activation_checkpointing(model)
+        run = _deepspeed.ZeroRun(model, offload_ext.causal_lm_loss, device=a.device, batch=a.batch, accum=mode.accum,
+                                 max_grad_norm=mode.max_grad_norm, precision=mode.precision, lr=a.lr, betas=BETAS,
+                                 eps=EPS, weight_decay=WEIGHT_DECAY)
+        return model, None, run
+    off = offload_ext.Offloader(model, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                precision=mode.precision, backend=mode.backend, device=a.device,
                                 compile_layers=a.compile, num_threads=mode.option("t"),
                                 grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
                                 async_step=False if "sync" in mode.options else None,
@@ -188,6 +214,9 @@ def _sync() -> None:
 
 def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor]) -> tuple:
     """One step over the micro-batches: (loss, summed synchronised forward seconds, whether it clipped)."""
+    if isinstance(opt, _deepspeed.ZeroRun):
+        loss_sum, t_fwd, norm = opt.train_step(micro, _sync)
+        return loss_sum, t_fwd, norm is not None and mode.max_grad_norm is not None and norm > mode.max_grad_norm
     loss_sum, t_fwd = 0.0, 0.0
     for tokens in micro:
         t0 = time.perf_counter()
@@ -210,6 +239,21 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
 
 
 def run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+    """The mode's row; a DeepSpeed mode that fails leaves a row with its error, and the run goes on."""
+    if mode.backend != "deepspeed":
+        return _run_mode(mode, base, a, tokens)
+    try:
+        return _run_mode(mode, base, a, tokens)
+    except Exception as e:  # any failure of DeepSpeed's (import, op build, initialize, OOM) is the row
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+        print(f"  {mode.name:13s} not run: {error}", flush=True)
+        return {"mode": mode.name, "error": error}
+    finally:
+        _deepspeed.release()
+
+
+def _run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
     if a.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -253,12 +297,18 @@ def run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: t
         row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
         row["setup_parts_s"] = dict(off.setup_seconds)
         off.close()
+    if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
+        row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))
     del model
     parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
-    print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s  wait {row['step_wait_s']:.4f} s"
-          f"  busy {row['host_busy_s']:.4f} s"
+    print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s"
+          f"  wait {_num(row['step_wait_s'])} s  busy {_num(row['host_busy_s'])} s"
           f"  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
     return row
+
+
+def _num(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def time_mixed_kernel(off) -> float:
@@ -276,6 +326,34 @@ def time_mixed_kernel(off) -> float:
     return _common.median_seconds(once, steps=5, warmup=1)
 
 
+def _table_line(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
+    """The row's table line; sets its ratio to `peer`, the resident mode of the same recipe."""
+    if "error" in r:  # the reason in place of the numbers; markdown-safe on one line
+        reason = " ".join(r["error"].split()).replace("|", "\\|")
+        return f"| {r['mode']} | not run: {reason} |" + " - |" * 8
+    ratio = r["step_s"] / peer["step_s"] if peer and "error" not in peer else float("nan")
+    r["time_ratio_vs_resident"], r["resident_peer"] = ratio, peer["mode"] if peer else None
+    frac = f"{r['clipped_fraction']:.0%}" if r["clipped_fraction"] is not None else "-"
+    return (f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
+            f"{r['forward_s']:.4f} | {_num(r['step_wait_s'])} | {_num(r['host_busy_s'])} | {r['setup_s']:.2f} | "
+            f"{r['gpu_peak_gb']:.2f} | {frac} |")
+
+
+def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]:
+    """Each DeepSpeed mode's step time over the plain native mode of the same precision and recipe
+    (deepspeed-bf16-clip over native-bf16-clip), where both ran; sets the ratio in the DeepSpeed row."""
+    natives = {(m.precision, m.recipe): r for m, r in zip(modes, rows)
+               if m.backend == "native" and not m.options and "error" not in r}
+    pairs = []
+    for m, r in zip(modes, rows):
+        peer = natives.get((m.precision, m.recipe))
+        if m.backend == "deepspeed" and peer and "error" not in r:
+            r["time_ratio_vs_native"], r["native_peer"] = r["step_s"] / peer["step_s"], peer["mode"]
+            pairs.append(f"{r['mode']} / {peer['mode']} = {r['time_ratio_vs_native']:.3f}x")
+    return ["", "native vs DeepSpeed, same recipe (DeepSpeed step time / native step time): " + "; ".join(pairs)] \
+        if pairs else []
+
+
 def main() -> None:
     a = parse()
     modes = [Mode.parse(m) for m in a.modes.split(",") if m]
@@ -289,14 +367,8 @@ def main() -> None:
     resident = residents.get((None, 1))
     lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "
              "set-up s | GPU peak GB | steps clipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for m, r in zip(modes, rows):
-        peer = residents.get(m.recipe)
-        ratio = r["step_s"] / peer["step_s"] if peer else float("nan")
-        r["time_ratio_vs_resident"], r["resident_peer"] = ratio, peer["mode"] if peer else None
-        frac = f"{r['clipped_fraction']:.0%}" if r["clipped_fraction"] is not None else "-"
-        lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
-                     f"{r['forward_s']:.4f} | {r['step_wait_s']:.4f} | {r['host_busy_s']:.4f} | {r['setup_s']:.2f} | "
-                     f"{r['gpu_peak_gb']:.2f} | {frac} |")
+    lines += [_table_line(r, residents.get(m.recipe)) for m, r in zip(modes, rows)]
+    lines += _deepspeed_lines(modes, rows)
     for mixed in (r for r in rows if "a1_mixed_kernel_s" in r):
         # The forward of the GPU-resident run when there is one: the offloaded forward can include
         # waiting for host steps left over from the previous backward.

@@ -28,12 +28,13 @@ def default_engine_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 2)
 
 
-def default_grad_slots(precision: str, layers: int) -> int:
+def default_grad_slots(precision: str, layers: int, accumulate: bool = False) -> int:
     # bf16: the host step of a layer is quicker than the GPU's backward of one, so a few slots never
-    # fill up. mixed: the step is slower (fp32 master and moments), a backlog builds up during
-    # backward, and a full ring would stall backward: one slot per layer (2 more bytes per parameter
-    # of pinned memory; pass grad_slots to trade it back when host memory is tight).
-    return 6 if precision == "bf16" else layers
+    # fill up. mixed, and the last micro-batch of an accumulation (its backward on a smaller batch is
+    # quicker): the step is slower than the backward, a backlog builds up, and a full ring would stall
+    # backward: one slot per layer (2 more bytes per parameter of pinned memory; pass grad_slots to
+    # trade it back when host memory is tight).
+    return 6 if precision == "bf16" and not accumulate else layers
 
 
 class NativeBackend(Backend):
@@ -71,7 +72,8 @@ class NativeBackend(Backend):
         if self._keep_grads:
             self._grad_slots = 0
         else:
-            self._grad_slots = min(len(sizes), self._grad_slots or default_grad_slots(self.precision, len(sizes)))
+            slots = self._grad_slots or default_grad_slots(self.precision, len(sizes), self.accumulate)
+            self._grad_slots = min(len(sizes), slots)
         self._slot_owner = [None] * self._grad_slots
         if self._slice_elements is None and 0 < self._grad_slots < len(sizes):
             # The engine steps units in slices so that a lower layer can overtake one already started.

@@ -148,14 +148,14 @@ T* at(T* p, int64_t i) {
 
 Bf16Pass offset(const Bf16Pass& a, int64_t i) {
   return {a.param_in + i, a.param + i, at(a.param_save, i), a.grad + i, at(a.grad_add, i),
-          a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i};
+          a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i, a.grad_scale};
 }
 
 Fp32Pass offset(const Fp32Pass& a, int64_t i) {
   const size_t grad_size = a.grad_type == GradType::kBF16 ? 2 : 4;
   return {a.param_in + i, a.param + i, static_cast<const char*>(a.grad) + i * grad_size, a.grad_type,
           at(a.grad_add, i), a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i,
-          at(a.param_out, i)};
+          at(a.param_out, i), a.grad_scale};
 }
 
 }  // namespace

@@ -60,7 +60,7 @@ enum class GradType { kBF16, kFP32 };
 
 // Where one AdamW pass reads and writes (pointers at element 0 of the span). In place, each *_out
 // equals its *_in. Out of place, the state before the pass survives: speculative clipping redoes a
-// step from it. `grad_add` (optional, bf16): the step uses bf16(grad_add + grad), one rounding, as
+// step from it; the stores out of place bypass the cache (non-temporal) where aligned. `grad_add` (optional, bf16): the step uses bf16(grad_add + grad), one rounding, as
 // torch sums .grad over micro-batches, so the last micro-batch needs no separate accumulate pass.
 struct Bf16Pass {
   const uint16_t* param_in;
@@ -72,6 +72,7 @@ struct Bf16Pass {
   uint16_t* exp_avg;
   const uint16_t* exp_avg_sq_in;
   uint16_t* exp_avg_sq;
+  float grad_scale = 1.0f;     // != 1: the step uses bf16(grad * grad_scale) (clipping; not with grad_add)
 };
 
 struct Fp32Pass {
@@ -85,6 +86,7 @@ struct Fp32Pass {
   const float* exp_avg_sq_in;
   float* exp_avg_sq;
   uint16_t* param_out;         // optional: the stepped param rounded to bf16
+  float grad_scale = 1.0f;     // != 1: bf16 grads only, the step uses bf16(grad * grad_scale)
 };
 
 // "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32.

@@ -19,6 +19,7 @@ struct Avx2Vec {
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static void store_f32(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void stream_f32(float* p, F x) { _mm256_stream_ps(p, x); }
   static F load_bf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

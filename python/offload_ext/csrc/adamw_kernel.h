@@ -6,6 +6,7 @@
 // so that only the fmas written here exist).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "adamw.h"
@@ -20,6 +21,7 @@ struct ScalarVec {
   static F set1(float x) { return x; }
   static F load_f32(const float* p) { return *p; }
   static void store_f32(float* p, F x) { *p = x; }
+  static void stream_f32(float* p, F x) { *p = x; }
   static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static void store_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
   static void stream_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
@@ -55,38 +57,60 @@ inline void adamw_update(typename V::F& p, typename V::F g, typename V::F& m, ty
 
 // Each loop runs whole vectors from `i` and returns where it stopped; the scalar instance
 // finishes the tail with identical arithmetic.
-template <class V, bool kAdd>
-inline typename V::F load_grad_bf16(const uint16_t* g, const uint16_t* add, int64_t i) {
-  if (!kAdd) return V::load_bf16(g + i);
-  return V::round_bf16(V::add(V::load_bf16(add + i), V::load_bf16(g + i)));
+// What the step does to the gradient it reads: nothing, add the accumulator (bf16(accum + grad): the
+// last micro-batch), or scale it (bf16(grad * scale): clipping), each rounded once as torch does.
+enum GradMode { kGradPlain = 0, kGradAdd = 1, kGradScale = 2 };
+
+template <class V, int kGrad>
+inline typename V::F load_grad_bf16(const uint16_t* g, const uint16_t* add, float scale, int64_t i) {
+  if (kGrad == kGradAdd) return V::round_bf16(V::add(V::load_bf16(add + i), V::load_bf16(g + i)));
+  if (kGrad == kGradScale) return V::round_bf16(V::mul(V::load_bf16(g + i), V::set1(scale)));
+  return V::load_bf16(g + i);
 }
 
-template <class V, bool kAdd, bool kSave>
+// Stores to a buffer other than the one read (a pass out of place) bypass the cache when kStream: the
+// line is not read for ownership first, and the next pass over it comes a whole step later.
+template <class V, bool kStream>
+inline void put_bf16(uint16_t* p, typename V::F x) {
+  kStream ? V::stream_bf16(p, x) : V::store_bf16(p, x);
+}
+template <class V, bool kStream>
+inline void put_f32(float* p, typename V::F x) {
+  kStream ? V::stream_f32(p, x) : V::store_f32(p, x);
+}
+
+template <class V, int kGrad, bool kSave, bool kStream>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
+  const bool param_moves = a.param != a.param_in;
   for (; i + V::W <= n; i += V::W) {
     if (pf) {
       V::prefetch(a.param_in + i + pf);
       V::prefetch(a.grad + i + pf);
-      if (kAdd) V::prefetch(a.grad_add + i + pf);
+      if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf);
       V::prefetch(a.exp_avg_in + i + pf);
       V::prefetch(a.exp_avg_sq_in + i + pf);
     }
     auto P = V::load_bf16(a.param_in + i);
     auto M = V::load_bf16(a.exp_avg_in + i);
     auto S = V::load_bf16(a.exp_avg_sq_in + i);
-    if (kSave) V::store_bf16(a.param_save + i, P);  // exact: P came from bf16
-    adamw_update<V>(P, load_grad_bf16<V, kAdd>(a.grad, a.grad_add, i), M, S, c);
-    V::store_bf16(a.param + i, P);
-    V::store_bf16(a.exp_avg + i, M);
-    V::store_bf16(a.exp_avg_sq + i, S);
+    if (kSave) put_bf16<V, kStream>(a.param_save + i, P);  // exact: P came from bf16
+    adamw_update<V>(P, load_grad_bf16<V, kGrad>(a.grad, a.grad_add, a.grad_scale, i), M, S, c);
+    if (kStream && param_moves) {
+      V::stream_bf16(a.param + i, P);
+    } else {
+      V::store_bf16(a.param + i, P);
+    }
+    put_bf16<V, kStream>(a.exp_avg + i, M);
+    put_bf16<V, kStream>(a.exp_avg_sq + i, S);
   }
+  if (kStream) V::fence();
   return i;
 }
 
 enum OutMode { kNoOut = 0, kStoreOut = 1, kStreamOut = 2 };
 
-template <class V, bool kGradBF16, bool kAdd, int kOut>
+template <class V, bool kGradBF16, int kGrad, int kOut, bool kStream>
 inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
   const auto* g16 = static_cast<const uint16_t*>(a.grad);
@@ -98,7 +122,7 @@ inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoe
       V::prefetch(a.exp_avg_sq_in + i + pf);
       if (kGradBF16) {
         V::prefetch(g16 + i + pf);
-        if (kAdd) V::prefetch(a.grad_add + i + pf);
+        if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf);
       } else {
         V::prefetch(g32 + i + pf);
       }
@@ -106,65 +130,108 @@ inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoe
     auto P = V::load_f32(a.param_in + i);
     auto M = V::load_f32(a.exp_avg_in + i);
     auto S = V::load_f32(a.exp_avg_sq_in + i);
-    auto G = kGradBF16 ? load_grad_bf16<V, kAdd>(g16, a.grad_add, i) : V::load_f32(g32 + i);
+    auto G = kGradBF16 ? load_grad_bf16<V, kGrad>(g16, a.grad_add, a.grad_scale, i) : V::load_f32(g32 + i);
     adamw_update<V>(P, G, M, S, c);
-    V::store_f32(a.param + i, P);
-    V::store_f32(a.exp_avg + i, M);
-    V::store_f32(a.exp_avg_sq + i, S);
+    put_f32<V, kStream>(a.param + i, P);
+    put_f32<V, kStream>(a.exp_avg + i, M);
+    put_f32<V, kStream>(a.exp_avg_sq + i, S);
     if (kOut == kStoreOut) V::store_bf16(a.param_out + i, P);
     if (kOut == kStreamOut) V::stream_bf16(a.param_out + i, P);
   }
-  if (kOut == kStreamOut) V::fence();
+  if (kOut == kStreamOut || kStream) V::fence();
   return i;
 }
 
-template <class V, bool kAdd, bool kSave>
-inline void bf16_span_impl(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  const int64_t i = bf16_loop<V, kAdd, kSave>(a, 0, n, c);
-  bf16_loop<ScalarVec, kAdd, kSave>(a, i, n, c);
+// Elements before `p` reaches an `align`-byte boundary (n if it never does within n).
+inline int64_t head_elements(const void* p, size_t elem, size_t align, int64_t n) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % align;
+  if (mis == 0) return 0;
+  if ((align - mis) % elem) return n;
+  return std::min<int64_t>(n, static_cast<int64_t>((align - mis) / elem));
+}
+
+inline bool aligned(const void* p, size_t align) { return reinterpret_cast<uintptr_t>(p) % align == 0; }
+
+template <class V, int kGrad, bool kSave>
+inline void bf16_span_grad(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
+  // Out of place (the moments go to other buffers), streamed once the stores are vector-aligned.
+  constexpr size_t kA = V::W * sizeof(uint16_t);
+  const bool out_of_place = a.exp_avg != a.exp_avg_in;
+  const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(uint16_t), kA, n) : 0;
+  const bool stream = out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
+                      (!kSave || aligned(a.param_save + h, kA)) &&
+                      (a.param == a.param_in || aligned(a.param + h, kA));
+  if (!stream) {
+    const int64_t i = bf16_loop<V, kGrad, kSave, false>(a, 0, n, c);
+    bf16_loop<ScalarVec, kGrad, kSave, false>(a, i, n, c);
+    return;
+  }
+  bf16_loop<ScalarVec, kGrad, kSave, false>(a, 0, h, c);
+  const int64_t i = bf16_loop<V, kGrad, kSave, true>(a, h, n, c);
+  bf16_loop<ScalarVec, kGrad, kSave, false>(a, i, n, c);
+}
+
+template <class V, int kGrad>
+inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
+  if (a.param_save != nullptr) {
+    bf16_span_grad<V, kGrad, true>(a, n, c);
+  } else {
+    bf16_span_grad<V, kGrad, false>(a, n, c);
+  }
 }
 
 template <class V>
 inline void bf16_span(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  const bool add = a.grad_add != nullptr, save = a.param_save != nullptr;
-  if (add && save) {
-    bf16_span_impl<V, true, true>(a, n, c);
-  } else if (add) {
-    bf16_span_impl<V, true, false>(a, n, c);
-  } else if (save) {
-    bf16_span_impl<V, false, true>(a, n, c);
+  if (a.grad_add != nullptr) {
+    bf16_span_mode<V, kGradAdd>(a, n, c);
+  } else if (a.grad_scale != 1.0f) {
+    bf16_span_mode<V, kGradScale>(a, n, c);
   } else {
-    bf16_span_impl<V, false, false>(a, n, c);
+    bf16_span_mode<V, kGradPlain>(a, n, c);
   }
 }
 
-template <class V, bool kGradBF16, bool kAdd, int kOut>
+template <class V, bool kGradBF16, int kGrad, int kOut>
 inline void fp32_span_impl(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
-  const int64_t i = fp32_loop<V, kGradBF16, kAdd, kOut>(a, 0, n, c);
-  fp32_loop<ScalarVec, kGradBF16, kAdd, kOut == kNoOut ? kNoOut : kStoreOut>(a, i, n, c);
+  constexpr int kTailOut = kOut == kNoOut ? kNoOut : kStoreOut;
+  constexpr size_t kA = V::W * sizeof(float);
+  const bool out_of_place = a.exp_avg != a.exp_avg_in;
+  const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(float), kA, n) : 0;
+  const bool stream = out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) && aligned(a.param + h, kA) &&
+                      (kOut != kStreamOut || aligned(a.param_out + h, V::W * sizeof(uint16_t)));
+  if (!stream) {
+    const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, false>(a, 0, n, c);
+    fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, i, n, c);
+    return;
+  }
+  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, 0, h, c);
+  const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, true>(a, h, n, c);
+  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, i, n, c);
 }
 
-template <class V, bool kGradBF16, bool kAdd>
+template <class V, bool kGradBF16, int kGrad>
 inline void fp32_span_out(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   // Non-temporal stores need the vector store width's alignment.
   constexpr uintptr_t kOutAlign = V::W * sizeof(uint16_t);
   if (!a.param_out) {
-    fp32_span_impl<V, kGradBF16, kAdd, kNoOut>(a, n, c);
+    fp32_span_impl<V, kGradBF16, kGrad, kNoOut>(a, n, c);
   } else if (c.stream_out && reinterpret_cast<uintptr_t>(a.param_out) % kOutAlign == 0) {
-    fp32_span_impl<V, kGradBF16, kAdd, kStreamOut>(a, n, c);
+    fp32_span_impl<V, kGradBF16, kGrad, kStreamOut>(a, n, c);
   } else {
-    fp32_span_impl<V, kGradBF16, kAdd, kStoreOut>(a, n, c);
+    fp32_span_impl<V, kGradBF16, kGrad, kStoreOut>(a, n, c);
   }
 }
 
 template <class V>
 inline void fp32_span(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   if (a.grad_type == GradType::kFP32) {
-    fp32_span_out<V, false, false>(a, n, c);
+    fp32_span_out<V, false, kGradPlain>(a, n, c);
   } else if (a.grad_add != nullptr) {
-    fp32_span_out<V, true, true>(a, n, c);
+    fp32_span_out<V, true, kGradAdd>(a, n, c);
+  } else if (a.grad_scale != 1.0f) {
+    fp32_span_out<V, true, kGradScale>(a, n, c);
   } else {
-    fp32_span_out<V, true, false>(a, n, c);
+    fp32_span_out<V, true, kGradPlain>(a, n, c);
   }
 }
 

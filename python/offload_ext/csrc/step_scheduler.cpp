@@ -134,12 +134,6 @@ void for_fixed_chunks(int64_t n, ThreadPool& pool, const Fn& fn) {
   pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t t) { fn(t, t * kChunk, std::min(n, (t + 1) * kChunk)); });
 }
 
-void bf16_scale(uint16_t* g, float scale, int64_t n, ThreadPool& pool) {
-  for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) g[i] = bf16_round_bits(bf16_to_float(g[i]) * scale);
-  });
-}
-
 void bf16_copy(uint16_t* dst, const uint16_t* src, int64_t n, ThreadPool& pool) {
   for_fixed_chunks(n, pool, [&](int64_t, int64_t begin, int64_t end) {
     std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin) * sizeof(uint16_t));
@@ -173,8 +167,8 @@ enum class Flow {
   kFromAlt,  // redo, after the swap: from the state before the speculative step into the live one
 };
 
-void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, Flow flow, const AdamWHyper& h,
-               ThreadPool& pool) {
+void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, float scale, Flow flow,
+               const AdamWHyper& h, ThreadPool& pool) {
   const bool to = flow == Flow::kToAlt, from = flow == Flow::kFromAlt;
   void* m_out = to ? u.alt_exp_avg : u.exp_avg;
   void* v_out = to ? u.alt_exp_avg_sq : u.exp_avg_sq;
@@ -187,12 +181,12 @@ void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, Fl
     adamw_bf16(Bf16Pass{static_cast<const uint16_t*>(p_in), p, to ? static_cast<uint16_t*>(u.alt_param) : nullptr,
                         static_cast<const uint16_t*>(grad), grad_add, static_cast<const uint16_t*>(m_in),
                         static_cast<uint16_t*>(m_out), static_cast<const uint16_t*>(v_in),
-                        static_cast<uint16_t*>(v_out)},
+                        static_cast<uint16_t*>(v_out), scale},
                u.numel, h, pool, level);
   } else {
     adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(to ? u.alt_param : u.param), grad,
                         u.grad_type, grad_add, static_cast<const float*>(m_in), static_cast<float*>(m_out),
-                        static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out},
+                        static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out, scale},
                u.numel, h, pool, level);
   }
 }
@@ -213,6 +207,7 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
   const SimdLevel level = active_simd_level();
   const void* grad = unit.accum;
   const uint16_t* grad_add = nullptr;
+  const float scale = job.job == Job::kRedo || job.job == Job::kScaleStep ? job.scale : 1.0f;
   Flow flow = Flow::kInPlace;
   switch (job.job) {
     case Job::kAccumulateFirst:
@@ -236,11 +231,10 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
     case Job::kSpeculativeStep:
       flow = Flow::kToAlt;
       break;
-    case Job::kRedo:
+    case Job::kRedo:  // the scaling happens in the step's read of the gradient
       flow = Flow::kFromAlt;
-      [[fallthrough]];
+      break;
     case Job::kScaleStep:
-      if (job.scale != 1.0f) bf16_scale(unit.accum, job.scale, unit.numel, *pool_);
       break;
     case Job::kStep:
       grad = landed;
@@ -257,13 +251,13 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
     }
     const int64_t at = a - begin;  // within this slice
     const StepUnit piece = sub_unit(unit, at, at + (b - a));
-    step_pass(piece, static_cast<const char*>(grad) + at * grad_size, grad_add ? grad_add + at : nullptr, flow,
+    step_pass(piece, static_cast<const char*>(grad) + at * grad_size, grad_add ? grad_add + at : nullptr, scale, flow,
               job.hypers[static_cast<size_t>(g.group)], *pool_);
   }
 }
 
 void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool) {
-  step_pass(unit, grad, nullptr, Flow::kInPlace, h, pool);
+  step_pass(unit, grad, nullptr, 1.0f, Flow::kInPlace, h, pool);
 }
 
 void StepScheduler::loop() {
