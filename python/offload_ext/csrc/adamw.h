@@ -41,7 +41,8 @@ struct AdamWCoef {
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
   // Memory tuning, not arithmetic: software-prefetch distance in elements (0 = off), and
-  // whether the write-only bf16 param_out may bypass the cache (non-temporal stores).
+  // whether write-only stores (the bf16 param_out, a pass out of place) may bypass the cache
+  // (non-temporal stores).
   int64_t prefetch = 0;
   bool stream_out = false;
 };

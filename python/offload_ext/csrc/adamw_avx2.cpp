@@ -44,7 +44,16 @@ struct Avx2Vec {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F round_bf16(F x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(x)), 16)); }
+  // bf16 rounding kept in 32-bit lanes (no pack and unpack): the float with the low half rounded off.
+  static F round_bf16(F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                 _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+    return _mm256_castsi256_ps(r);
+  }
   using D = __m256d;  // float64 sums of squares: the low and the high 4 lanes
   static D dzero() { return _mm256_setzero_pd(); }
   static void add_squares(D& lo, D& hi, F x) {

@@ -41,7 +41,15 @@ struct Avx512Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F round_bf16(F x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16)); }
+  // bf16 rounding kept in 32-bit lanes (no pack and unpack): the float with the low half rounded off.
+  static F round_bf16(F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                 _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+  }
   using D = __m512d;  // float64 sums of squares: the low and the high 8 lanes
   static D dzero() { return _mm512_setzero_pd(); }
   static void add_squares(D& lo, D& hi, F x) {

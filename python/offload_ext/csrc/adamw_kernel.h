@@ -158,7 +158,7 @@ inline void bf16_span_grad(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   constexpr size_t kA = V::W * sizeof(uint16_t);
   const bool out_of_place = a.exp_avg != a.exp_avg_in;
   const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(uint16_t), kA, n) : 0;
-  const bool stream = out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
+  const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
                       (!kSave || aligned(a.param_save + h, kA)) &&
                       (a.param == a.param_in || aligned(a.param + h, kA));
   if (!stream) {
@@ -197,7 +197,8 @@ inline void fp32_span_impl(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   constexpr size_t kA = V::W * sizeof(float);
   const bool out_of_place = a.exp_avg != a.exp_avg_in;
   const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(float), kA, n) : 0;
-  const bool stream = out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) && aligned(a.param + h, kA) &&
+  const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
+                      aligned(a.param + h, kA) &&
                       (kOut != kStreamOut || aligned(a.param_out + h, V::W * sizeof(uint16_t)));
   if (!stream) {
     const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, false>(a, 0, n, c);
