@@ -142,6 +142,22 @@ def test_every_simd_level_trains_accumulation_and_speculative_clipping_exactly(l
     assert set(actions) == {"redone"} and norms == pytest.approx(exact_norms, rel=1e-12)
 
 
+def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from offload_ext.backends.native import available_host_bytes
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=48,
+                      num_attention_heads=64, num_key_value_heads=8)  # 41 B params: 575 GB of host buffers
+    available = available_host_bytes()
+    if available is None or available > 500e9:
+        pytest.skip("needs a host with less than 500 GB available and /proc/meminfo")
+    with torch.device("meta"):  # nothing real is allocated: the check comes before the host buffers
+        model = LlamaForCausalLM(cfg)
+    with pytest.raises(MemoryError, match=r"need 575\.0 GB .* nothing was allocated.*speculative_clip=False \(saves"):
+        offload_ext.Offloader(model, backend="native", device="cpu", max_grad_norm=1.0)
+
+
 def test_close_leaves_an_ordinary_module_with_the_trained_weights() -> None:
     model = tiny_llama(layers=2)
     losses, off = _train(model, "native", "bf16", steps=2)

@@ -37,6 +37,36 @@ def default_grad_slots(precision: str, layers: int, accumulate: bool = False) ->
     return 6 if precision == "bf16" and not accumulate else layers
 
 
+def available_host_bytes() -> int | None:
+    """What the kernel reports as available for new allocations (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(pinned: int, pageable: int, second: int, precision: str) -> None:
+    """Refuse, before anything is allocated, host buffers this machine cannot hold (the alternative is the
+    kernel killing the process halfway through)."""
+    available = available_host_bytes()
+    if available is None or pinned + pageable <= available:
+        return
+    gb = 1e9
+    fixes = []
+    if second:
+        fixes.append(f"speculative_clip=False (saves {second / gb:.1f} GB; clipping then waits for backward)")
+    if precision == "mixed":
+        fixes.append("precision='bf16' (bf16 moments, no fp32 master)")
+    fixes.append("fewer trainable parameters (freeze some, or LoRA) or a smaller model")
+    raise MemoryError(f"Offloader: the host buffers need {(pinned + pageable) / gb:.1f} GB ({pinned / gb:.1f} GB "
+                      f"pinned, {pageable / gb:.1f} GB pageable) but this machine has {available / gb:.1f} GB "
+                      f"available; nothing was allocated. Options: {'; '.join(fixes)}")
+
+
 class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
@@ -86,8 +116,24 @@ class NativeBackend(Backend):
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
         if self._keep_grads:
             pinned += sum(2 * t + align for _, t in sizes)
+        check_host_memory(pinned, self._pageable_bytes([*sizes, *own_grads]), self._second_buffer_bytes(sizes),
+                          self.precision)
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+
+    def _state_bytes(self) -> int:
+        return 4 if self.precision == "mixed" else 2
+
+    def _second_buffer_bytes(self, sizes: list[tuple[int, int]]) -> int:
+        """Host bytes of speculative clipping's second buffers (param or master, both moments)."""
+        return 3 * self._state_bytes() * sum(t for _, t in sizes) if self.speculative else 0
+
+    def _pageable_bytes(self, sizes: list[tuple[int, int]]) -> int:
+        """Host bytes of the unpinned buffers new_layer will allocate for these units."""
+        per = 2 * self._state_bytes() + (4 if self.precision == "mixed" else 0)  # moments, fp32 master
+        per += 2 if self.accumulate and not self._keep_grads else 0                # the bf16 accumulator
+        trainable = sum(t for _, t in sizes)
+        return per * trainable + self._second_buffer_bytes(sizes)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
