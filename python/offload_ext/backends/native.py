@@ -105,11 +105,14 @@ class NativeBackend(Backend):
             slots = self._grad_slots or default_grad_slots(self.precision, len(sizes), self.accumulate)
             self._grad_slots = min(len(sizes), slots)
         self._slot_owner = [None] * self._grad_slots
-        if self._slice_elements is None and 0 < self._grad_slots < len(sizes):
+        if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):
             # The engine steps units in slices so that a lower layer can overtake one already started.
             # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
             # layers the layer that reuses the slot would wait in backward: step whole units instead,
-            # unless the caller chose the slice (slice_elements).
+            # unless the caller chose the slice (slice_elements). Speculative steps too: a redo must let a
+            # started one finish first, while one not started becomes the clipped step itself, and with
+            # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
+            # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
         align = 1 << 12
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
