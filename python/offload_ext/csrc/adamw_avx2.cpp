@@ -61,14 +61,8 @@ struct Avx2Vec {
     lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
     hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
   }
-  static double dsum(D lo, D hi) {
-    alignas(32) double l[4], h[4];
-    _mm256_store_pd(l, lo);
-    _mm256_store_pd(h, hi);
-    double s = 0.0;
-    for (int k = 0; k < 4; ++k) s += l[k] + h[k];
-    return s;
-  }
+  static constexpr int DW = 4;
+  static void store_d(double* p, D x) { _mm256_storeu_pd(p, x); }
 };
 
 }  // namespace

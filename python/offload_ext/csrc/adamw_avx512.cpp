@@ -58,14 +58,8 @@ struct Avx512Vec {
     lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
     hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high));
   }
-  static double dsum(D lo, D hi) {
-    alignas(64) double l[8], h[8];
-    _mm512_store_pd(l, lo);
-    _mm512_store_pd(h, hi);
-    double s = 0.0;
-    for (int k = 0; k < 8; ++k) s += l[k] + h[k];
-    return s;
-  }
+  static constexpr int DW = 8;
+  static void store_d(double* p, D x) { _mm512_storeu_pd(p, x); }
 };
 
 }  // namespace

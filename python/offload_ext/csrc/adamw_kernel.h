@@ -38,7 +38,8 @@ struct ScalarVec {
   using D = double;
   static D dzero() { return 0.0; }
   static void add_squares(D& lo, D&, F x) { lo += static_cast<double>(x * x); }
-  static double dsum(D lo, D hi) { return lo + hi; }
+  static constexpr int DW = 1;
+  static void store_d(double* p, D x) { *p = x; }
 };
 
 template <class V>
@@ -250,13 +251,24 @@ inline int64_t accumulate_loop(uint16_t* acc, const uint16_t* g, int64_t i, int6
   return i;
 }
 
+// The lanes of both accumulators summed in a fixed order.
+template <class V>
+inline double dsum(typename V::D lo, typename V::D hi) {
+  double l[V::DW], h[V::DW];
+  V::store_d(l, lo);
+  V::store_d(h, hi);
+  double s = 0.0;
+  for (int k = 0; k < V::DW; ++k) s += l[k] + h[k];
+  return s;
+}
+
 template <class V, bool kAdd, bool kNorm>
 inline double accumulate_impl(uint16_t* acc, const uint16_t* g, int64_t n) {
   auto lo = V::dzero(), hi = V::dzero();
   const int64_t i = accumulate_loop<V, kAdd, kNorm>(acc, g, 0, n, lo, hi);
   double tail = 0.0, unused = 0.0;
   accumulate_loop<ScalarVec, kAdd, kNorm>(acc, g, i, n, tail, unused);
-  return V::dsum(lo, hi) + tail;
+  return dsum<V>(lo, hi) + tail;
 }
 
 template <class V>
