@@ -110,3 +110,12 @@ def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda 
     if offload_all and rest:
         return Layout(tuple(stacks), Part("outside the stacks", (), (_unit(index, rest, group_of),)), ())
     return Layout(tuple(stacks), None, tuple(rest))
+
+
+def speculative_units(layout: Layout) -> frozenset[int]:
+    """The units whose host steps run speculatively under clipping: the top three quarters of each stack.
+    Their gradients land early in backward, while the host would otherwise wait for the norm. The lowest
+    quarter and the part outside the stacks land last and are needed first by the next forward: their
+    steps come after the norm anyway, so they wait for it and step once, clipped (no second buffers, no
+    redo)."""
+    return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) // 4:])

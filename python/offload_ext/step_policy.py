@@ -3,10 +3,10 @@
 Plain: as its gradients land, during backward. Accumulation (grad_accum=N): the first N-1 backward
 calls only sum each unit's gradients on the host; the N-th steps each unit as its sum completes.
 Clipping: every unit's gradients are kept until the global norm over all parameters is known, then
-scaled and stepped; or, speculatively (native engine), each unit is stepped as its last gradients
-land, as if no clipping were needed, into a second set of state buffers, leaving the state before it
-intact: when the norm is under the limit the steps stand (committed), otherwise each is redone exactly
-from the state before, clipped.
+scaled and stepped; or, speculatively (native engine, the top of each stack), each unit is stepped as
+its last gradients land, as if no clipping were needed, into a second set of state buffers, leaving the
+state before it intact: when the norm is under the limit the steps stand (committed), otherwise each is
+redone exactly from the state before, clipped.
 """
 from __future__ import annotations
 

@@ -71,12 +71,15 @@ class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
-                 speculative: bool = False, grad_accum: int = 1, **_: Any) -> None:
+                 speculative_units: frozenset[int] = frozenset(), grad_accum: int = 1, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
-        self.speculative = speculative  # clipping: step as gradients land, redo exactly if the norm clips
+        # Clipping: these units step as their gradients land and are redone exactly if the norm clips; the
+        # others wait for the norm.
+        self._speculative_units = speculative_units
+        self.speculative = bool(speculative_units)
         # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
         # own, kept (as its accum) until the norm decides between the step standing and a redo.
-        self._keep_grads = speculative and grad_accum == 1
+        self._keep_grads = self.speculative and grad_accum == 1
         self.asynchronous = async_step
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
@@ -119,8 +122,8 @@ class NativeBackend(Backend):
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
         if self._keep_grads:
             pinned += sum(2 * t + align for _, t in sizes)
-        check_host_memory(pinned, self._pageable_bytes([*sizes, *own_grads]), self._second_buffer_bytes(sizes),
-                          self.precision)
+        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
+        check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision)
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
@@ -129,7 +132,7 @@ class NativeBackend(Backend):
 
     def _second_buffer_bytes(self, sizes: list[tuple[int, int]]) -> int:
         """Host bytes of speculative clipping's second buffers (param or master, both moments)."""
-        return 3 * self._state_bytes() * sum(t for _, t in sizes) if self.speculative else 0
+        return 3 * self._state_bytes() * sum(t for i, (_, t) in enumerate(sizes) if i in self._speculative_units)
 
     def _pageable_bytes(self, sizes: list[tuple[int, int]]) -> int:
         """Host bytes of the unpinned buffers new_layer will allocate for these units."""
@@ -155,7 +158,7 @@ class NativeBackend(Backend):
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
         # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
         alt = (tuple(e.host_zeros(trainable, t.dtype) for t in (stepped, exp_avg, exp_avg_sq))
-               if self.speculative else ())
+               if self._count in self._speculative_units else ())
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
@@ -212,6 +215,8 @@ class NativeBackend(Backend):
         for i in sorted(self._flushed):
             if not self.speculative:
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
+            elif i not in self._speculative_units:  # it waited for the norm: its one step, clipped or not
+                self._engine.run(i, self._jobs.SCALE_STEP, scale)
             elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
                 self._engine.redo(i, scale)
         if not self.asynchronous:
@@ -227,7 +232,7 @@ class NativeBackend(Backend):
                 self._engine.wait_unit(owner, reason=reason)
         job = self._job()
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
-                                  then_step=self.speculative and self._last_micro)
+                                  then_step=self._last_micro and index in self._speculative_units)
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index
@@ -254,7 +259,7 @@ class NativeBackend(Backend):
     def _follow_swaps(self) -> None:
         """Point each layer's state fields at the buffers its speculative steps left live."""
         for i, layer in enumerate(self._layers):
-            if self.speculative and self._engine.swapped(i) != layer.swapped:
+            if layer.alt and self._engine.swapped(i) != layer.swapped:
                 layer.swap_state()
 
     def wait_seconds(self) -> float:
