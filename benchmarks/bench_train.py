@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import os
 import statistics
@@ -174,10 +173,9 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def _setup(mode: Mode, base: torch.nn.Module, a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
+def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     """(model, Offloader or None, device optimizer or _deepspeed.ZeroRun or None) for `mode`, GPU memory
     capped for every offloaded mode (DeepSpeed's included)."""
-    model = copy.deepcopy(base)
     if a.device == "cuda":
         cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
         torch.cuda.set_per_process_memory_fraction(1.0 if mode.backend == "resident" else min(1.0, cap))
@@ -238,30 +236,33 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
     return loss_sum, t_fwd, clipped
 
 
-def run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
-    """The mode's row; a DeepSpeed mode that fails leaves a row with its error, and the run goes on."""
-    if mode.backend != "deepspeed":
-        return _run_mode(mode, base, a, tokens)
+def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+    """The mode's row; a DeepSpeed mode that fails, or any mode refused for memory, leaves a row with its
+    error, and the run goes on."""
     try:
-        return _run_mode(mode, base, a, tokens)
-    except Exception as e:  # any failure of DeepSpeed's (import, op build, initialize, OOM) is the row
+        return _run_mode(mode, a, tokens)
+    except Exception as e:  # DeepSpeed's failures (import, op build, initialize, OOM); our memory check's
+        if mode.backend != "deepspeed" and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+            raise
         traceback.print_exc()
         error = f"{type(e).__name__}: {e}"
         print(f"  {mode.name:13s} not run: {error}", flush=True)
         return {"mode": mode.name, "error": error}
     finally:
-        _deepspeed.release()
+        if mode.backend == "deepspeed":
+            _deepspeed.release()
 
 
-def _run_mode(mode: Mode, base: torch.nn.Module, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
     if a.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     if a.batch % mode.accum:
         raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} micro-batches")
     micro = list(tokens.chunk(mode.accum))
+    model = build_model(a)
     t0 = time.perf_counter()
-    model, off, opt = _setup(mode, base, a)
+    model, off, opt = _setup(mode, model, a)
     _sync()
     setup = time.perf_counter() - t0
     model.train()
@@ -357,12 +358,13 @@ def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]
 def main() -> None:
     a = parse()
     modes = [Mode.parse(m) for m in a.modes.split(",") if m]
-    base = build_model(a)
-    n_params = sum(p.numel() for p in base.parameters())
+    # Each mode builds its own copy (the same seed, the same weights): no second host copy of the model
+    # lives beside the one a mode trains (B2: 16 GB).
+    n_params = sum(p.numel() for p in build_model(a).parameters())
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
     print(f"{a.preset.upper()}: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
           f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)
-    rows = [run_mode(m, base, a, tokens) for m in modes]
+    rows = [run_mode(m, a, tokens) for m in modes]
     residents = {m.recipe: r for m, r in zip(modes, rows) if m.backend == "resident"}
     resident = residents.get((None, 1))
     lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "
