@@ -62,6 +62,29 @@ def test_the_trace_file_is_a_chrome_trace_with_a_named_lane_per_stream(tmp_path)
     assert "norm" in jobs and jobs & {"speculative step", "scale + step", "scale + step from before (redo)"}
 
 
+def test_a_torch_profiler_run_merges_onto_the_timeline_clock(tmp_path) -> None:
+    # The simulated device has no GPU streams: the profiler's CPU ops stand in for them, on the same path.
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_llama(layers=2)
+    off = offload_ext.Offloader(model, backend="native", device="cpu")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with off.trace() as timeline:
+            offloaded_training(off, model, batches(1))
+    off.close()
+    ours = list(timeline.events)
+    assert timeline.add_profile(prof, categories=("cpu_op",)) > 0
+    merged = [e for e in timeline.events if e[0] == "torch ops"]
+    _, _, begin, end, _ = next(e for e in ours if e[1] == "backward")
+    # autograd's ops run inside backward's span: the two clocks agree to well under a millisecond
+    inside = [e for e in merged if e[1].startswith("autograd::engine") or "Backward" in e[1]]
+    assert inside and all(begin - 1_000_000 <= e[2] and e[3] <= end + 1_000_000 for e in inside)
+    path = tmp_path / "merged.json"
+    timeline.write(str(path))
+    names = {e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"] if e["name"] == "thread_name"}
+    assert "torch ops" in names
+
+
 def test_a_second_trace_inside_the_first_is_refused() -> None:
     model = tiny_llama(layers=2)
     with offload_ext.Offloader(model, device="cpu") as off, off.trace():

@@ -3,17 +3,22 @@
 Lanes: "python" (the training thread: backward, step, each layer bound for compute), "H2D" and "D2H"
 (each copy from its issue to its landing), "host step" (each slice of a host job: step, accumulate,
 norm), "wait" (the training thread blocked on the host, with the reason). Times are
-time.monotonic_ns(), the clock the native engine records on. Open the JSON in ui.perfetto.dev or
-chrome://tracing; benchmarks/plot_timeline.py draws one step of it as a PNG.
+time.monotonic_ns(), the clock the native engine records on. A torch.profiler run around the same code
+adds its GPU streams (kernels, copies) as more lanes on that clock (Timeline.add_profile). Open the JSON
+in ui.perfetto.dev or chrome://tracing; benchmarks/plot_timeline.py draws one step of it as a PNG.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 LANES = ("python", "H2D", "D2H", "host step", "wait")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch.profiler's device-side events
 
 
 @dataclass
@@ -28,6 +33,32 @@ class Timeline:
 
     def extend(self, events: list[tuple[str, str, int, int, int]]) -> None:
         self.events.extend(events)
+
+    def add_profile(self, profile: Any, categories: tuple[str, ...] = GPU_CATEGORIES) -> int:
+        """Merge a finished torch.profiler run (a `torch.profiler.profile`, or the path of its exported
+        Chrome trace): each event of `categories` that overlaps this timeline's span goes on a lane per
+        profiler stream ("GPU stream 7"; "torch ops" for "cpu_op"). Returns how many were added.
+
+        The profiler stamps events on the wall clock (microseconds from its baseTimeNanoseconds); they are
+        moved onto time.monotonic_ns() with the two clocks' offset read now, so a wall-clock step (NTP)
+        between the run and this call shifts them by that much."""
+        trace = _profiler_trace(profile)
+        base = int(trace.get("baseTimeNanoseconds", 0))
+        offset = time.time_ns() - time.monotonic_ns()
+        lo = min((e[2] for e in self.events), default=None)
+        hi = max((e[3] for e in self.events), default=None)
+        added = 0
+        for e in trace.get("traceEvents", []):
+            if e.get("ph") != "X" or e.get("cat") not in categories:
+                continue
+            begin = base + round(float(e["ts"]) * 1e3) - offset
+            end = begin + round(float(e.get("dur", 0)) * 1e3)
+            if lo is not None and (end < lo or begin > hi):
+                continue
+            lane = "torch ops" if e["cat"] == "cpu_op" else f"GPU stream {e.get('tid')}"
+            self.mark(lane, str(e.get("name", "?")), begin, end)
+            added += 1
+        return added
 
     def chrome_trace(self) -> dict:
         """The Trace Event Format: one thread per lane, complete ("X") events in microseconds."""
@@ -46,6 +77,17 @@ class Timeline:
     def write(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
+
+
+def _profiler_trace(profile: Any) -> dict:
+    if isinstance(profile, (str, os.PathLike)):
+        with open(profile) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:  # the profiler exports to a file only
+        path = os.path.join(tmp, "profile.json")
+        profile.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
 
 
 def span(timeline: Timeline | None, lane: str, name: str, unit: int = -1) -> contextlib.AbstractContextManager:

@@ -19,6 +19,7 @@ import torch
 
 from . import data as data_mod
 from .losses import BACKENDS
+from .timeline import Timeline
 from .train_setup import BUILTIN, UsageError, apply_defaults, build_model, build_stream, check_loss_args, resolve_device
 from .trainer import Trainer
 
@@ -123,6 +124,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
 
     profiler = _profiler(args) if args.trace else None
     timeline = contextlib.ExitStack()  # the engine's timeline over the profiler's active steps
+    traced: list[Timeline] = []
     losses, rates = [], []
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
@@ -130,7 +132,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     with open(metrics_path, "a") as metrics:
         for k, step in enumerate(bar):
             if args.trace and trainer.off is not None and k == _TRACED[0]:
-                timeline.enter_context(trainer.off.trace(os.path.join(args.out, "timeline.json")))
+                traced.append(timeline.enter_context(trainer.off.trace()))
             lr = trainer.lr
             t0 = time.perf_counter()
             loss = trainer.train_step(stream)
@@ -144,6 +146,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                 profiler.step()
             if k == _TRACED[-1]:
                 timeline.close()
+                _write_timeline(traced, args.out)
             if (step + 1) % args.log_every == 0:
                 row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem}
                 if trainer.last_grad_norm is not None:
@@ -158,6 +161,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     timeline.close()
     if profiler is not None:
         profiler.stop()
+    _write_timeline(traced, args.out)
     trainer.save(end, stream, tokenizer)
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
@@ -170,6 +174,18 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
 
 
 _TRACED = (3, 4, 5)  # steps of this invocation that --trace records (0-based): the profiler's active ones
+
+
+def _write_timeline(traced: list[Timeline], out: str) -> None:
+    """timeline.json, with the GPU streams of the profiler's trace.json merged in when it has been written
+    (the profiler's active steps are the timeline's)."""
+    if not traced:
+        return
+    timeline = traced.pop()
+    profile = os.path.join(out, "trace.json")
+    if os.path.exists(profile):
+        timeline.add_profile(profile)
+    timeline.write(os.path.join(out, "timeline.json"))
 
 
 def _profiler(args: argparse.Namespace):
