@@ -19,12 +19,16 @@ def load(path: str) -> tuple[list[str], list[dict]]:
 
 
 def step_window(events: list[dict], step: int) -> tuple[float, float]:
-    """From the start of the step-th backward (0-based) to the start of the next one (or the end)."""
-    starts = sorted(e["ts"] for e in events if e["lane"] == "python" and e["name"] == "backward")
-    if not starts:
+    """From the start of the step-th optimizer step's first backward (0-based; with gradient accumulation a
+    step holds several backward passes) to the start of the next step's first one (or the end)."""
+    backwards = sorted(e["ts"] for e in events if e["lane"] == "python" and e["name"] == "backward")
+    steps = sorted(e["ts"] for e in events if e["lane"] == "python" and e["name"] == "step")
+    if not backwards:
         raise SystemExit("plot_timeline: the trace has no backward span (was it recorded by Offloader.trace?)")
+    # a step's first backward: the first one, and each first one after a step() call
+    starts = [b for k, b in enumerate(backwards) if k == 0 or any(backwards[k - 1] < t < b for t in steps)]
     if step >= len(starts):
-        raise SystemExit(f"plot_timeline: --step {step}, but the trace holds {len(starts)} backward passes")
+        raise SystemExit(f"plot_timeline: --step {step}, but the trace holds {len(starts)} optimizer steps")
     end = starts[step + 1] if step + 1 < len(starts) else max(e["ts"] + e["dur"] for e in events)
     return starts[step], end
 
