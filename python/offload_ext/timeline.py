@@ -68,7 +68,8 @@ class Timeline:
                 for k, lane in enumerate(lanes)]
         meta += [{"ph": "M", "pid": 1, "tid": k, "name": "thread_sort_index", "args": {"sort_index": k}}
                  for k in range(len(lanes))]
-        body = [{"ph": "X", "pid": 1, "tid": lanes.index(lane), "name": name, "ts": (begin - origin) / 1e3,
+        tid = {lane: k for k, lane in enumerate(lanes)}
+        body = [{"ph": "X", "pid": 1, "tid": tid[lane], "name": name, "ts": (begin - origin) / 1e3,
                  "dur": max(end - begin, 0) / 1e3, "args": {"unit": unit}}
                 for lane, name, begin, end, unit in sorted(self.events, key=lambda e: e[2])]
         return {"traceEvents": meta + body, "displayTimeUnit": "ms",

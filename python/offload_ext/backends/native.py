@@ -213,9 +213,7 @@ class NativeBackend(Backend):
 
     def clipped_step(self, scale: float) -> None:
         for i in sorted(self._flushed):
-            if not self.speculative:
-                self._engine.run(i, self._jobs.SCALE_STEP, scale)
-            elif i not in self._speculative_units:  # it waited for the norm: its one step, clipped or not
+            if i not in self._speculative_units:  # it waited for the norm: its one step, clipped or not
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
             elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
                 self._engine.redo(i, scale)
@@ -223,7 +221,7 @@ class NativeBackend(Backend):
             self._engine.wait_all()
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
-        slot = None if index in self._own_grads or self._keep_grads else index % self._grad_slots
+        slot = None if index in self._own_grads else index % self._grad_slots
         if slot is not None:
             owner = self._slot_owner[slot]
             if owner is not None and owner != index:

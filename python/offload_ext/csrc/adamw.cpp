@@ -141,6 +141,12 @@ AdamWCoef make_coef(const AdamWHyper& h) {
 
 namespace {
 
+// The entry point compiled for `level`.
+template <class Fn>
+Fn* by_level(SimdLevel level, Fn* avx512, Fn* avx2, Fn* scalar) {
+  return level == SimdLevel::kAvx512 ? avx512 : level == SimdLevel::kAvx2 ? avx2 : scalar;
+}
+
 template <class T>
 T* at(T* p, int64_t i) {
   return p ? p + i : nullptr;
@@ -162,9 +168,7 @@ Fp32Pass offset(const Fp32Pass& a, int64_t i) {
 
 void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
   const AdamWCoef c = make_coef(h);
-  auto span = level == SimdLevel::kAvx512 ? adamw_bf16_span_avx512
-              : level == SimdLevel::kAvx2 ? adamw_bf16_span_avx2
-                                          : adamw_bf16_span_scalar;
+  auto span = by_level(level, adamw_bf16_span_avx512, adamw_bf16_span_avx2, adamw_bf16_span_scalar);
   for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
 }
 
@@ -176,9 +180,7 @@ void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16
 
 void adamw_fp32(const Fp32Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
   const AdamWCoef c = make_coef(h);
-  auto span = level == SimdLevel::kAvx512 ? adamw_fp32_span_avx512
-              : level == SimdLevel::kAvx2 ? adamw_fp32_span_avx2
-                                          : adamw_fp32_span_scalar;
+  auto span = by_level(level, adamw_fp32_span_avx512, adamw_fp32_span_avx2, adamw_fp32_span_scalar);
   for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
 }
 
@@ -190,9 +192,7 @@ void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_a
 
 double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
                        SimdLevel level) {
-  auto span = level == SimdLevel::kAvx512 ? accumulate_span_avx512
-              : level == SimdLevel::kAvx2 ? accumulate_span_avx2
-                                          : accumulate_span_scalar;
+  auto span = by_level(level, accumulate_span_avx512, accumulate_span_avx2, accumulate_span_scalar);
   // Fixed chunks, partial sums added in chunk order: the norm does not depend on the thread count.
   constexpr int64_t kNormChunk = int64_t{1} << 18;
   const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
