@@ -145,11 +145,25 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
+_BLOCK = 1 << 24  # pre-drawn N(0, 1) values a matrix is tiled from
+
+
+def _tile(flat: torch.Tensor, block: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill `flat` with copies of `block`, each starting at a random place in it: a memory copy, where
+    drawing every value (normal_) took tens of seconds per B1 model on the GPU machine's host."""
+    done = 0
+    while done < flat.numel():
+        start = int(torch.randint(0, block.numel(), (1,), generator=gen))
+        n = min(block.numel() - start, flat.numel() - done)
+        flat[done:done + n].copy_(block[start:start + n])
+        done += n
+
+
 def build_model(a: argparse.Namespace) -> torch.nn.Module:
     """A random-init bf16 Llama built with its parameters on the meta device, then filled on the host:
-    N(0, initializer_range) for matrices and embeddings, ones for the norms, as HF's Llama init, in
-    seconds (HF's own init of the 1.24 B shape takes about a minute on the GPU machine's host). Tied
-    weights stay tied: each shared Parameter is filled once."""
+    N(0, initializer_range) for matrices and embeddings (tiled from one pre-drawn block), ones for the
+    norms, as HF's Llama init, in seconds (HF's own init of the 1.24 B shape takes about a minute on the
+    GPU machine's host). Tied weights stay tied: each shared Parameter is filled once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
@@ -158,7 +172,8 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
                       rope_theta=500000.0)
     with _parameters_on_meta():
         model = LlamaForCausalLM(cfg)
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    block = torch.randn(_BLOCK, generator=gen).mul_(cfg.initializer_range).bfloat16()
     filled: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its host one, so ties survive
     for module in model.modules():
         for name, meta in module._parameters.items():
@@ -166,7 +181,7 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
                 continue
             if id(meta) not in filled:
                 host = torch.empty(meta.shape, dtype=torch.bfloat16)
-                host.fill_(1.0) if meta.dim() == 1 else host.normal_(0.0, cfg.initializer_range)
+                host.fill_(1.0) if meta.dim() == 1 else _tile(host.view(-1), block, gen)
                 filled[id(meta)] = torch.nn.Parameter(host, requires_grad=meta.requires_grad)
             module._parameters[name] = filled[id(meta)]
     model.config.use_cache = False
@@ -260,7 +275,9 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
     if a.batch % mode.accum:
         raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} micro-batches")
     micro = list(tokens.chunk(mode.accum))
+    t0 = time.perf_counter()
     model = build_model(a)
+    build = time.perf_counter() - t0
     t0 = time.perf_counter()
     model, off, opt = _setup(mode, model, a)
     _sync()
@@ -290,6 +307,7 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
             _train_step(mode, model, off, opt, micro)
     row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
+           "build_s": build,
            "gpu_peak_gb": peak, "losses": losses, "tokens_per_s": tokens.numel() / statistics.median(steps),
            "clipped_fraction": sum(clipped) / len(clipped) if mode.clip else None}
     if off is not None and mode.precision == "mixed" and mode.backend == "native":
@@ -304,7 +322,8 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
     parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
     print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s"
           f"  wait {_num(row['step_wait_s'])} s  busy {_num(row['host_busy_s'])} s"
-          f"  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
+          f"  build {build:.1f} s  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB"
+          f"  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
     return row
 
 

@@ -1,0 +1,157 @@
+"""The engine's host passes alone, per unit: a plain step, a speculative step (clipping), and the two
+passes of gradient accumulation, on buffers laid out as the native backend lays them out (params and
+gradients in the pinned pool, states in the host pool, a unit's buffers one after another).
+
+Each unit is stepped alone (its gradient copied in on the simulated device, then waited for), as during
+backward, where one unit lands at a time; the time of a pass is its first slice's start to its last
+slice's end on the engine's timeline. `--skew` starts the k-th buffer of a unit k*skew bytes past its
+page boundary, to tell whether the streams of one pass collide in the caches (they all start on a page
+boundary otherwise).
+
+    python benchmarks/bench_host_passes.py                         # B1's layer size, 16 units
+    python benchmarks/bench_host_passes.py --numel 4e6 --units 4 --skew 0,576
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+import _common
+from offload_ext.backends.native import default_engine_threads, native
+
+PASSES = ("step", "speculative", "accumulate_first", "accumulate_step")
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=float, default=60_821_504, help="elements per unit (B1's decoder layer)")
+    ap.add_argument("--units", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per pass, after --warmup")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skew", default="0,576", help="comma-separated byte skews per buffer (multiples of 64)")
+    ap.add_argument("--state-pool", default="host", help="comma-separated: host (as the backend) and/or pinned")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda: gradients copied from the GPU into page-locked buffers, as in training")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--passes", default=",".join(PASSES))
+    ap.add_argument("--stem", default="host_passes")
+    return ap.parse_args()
+
+
+class Units:
+    """One engine with `units` bf16 units laid out as the native backend does, each buffer skewed."""
+
+    def __init__(self, numel: int, units: int, skew: int, threads: int, speculative: bool, accumulate: bool,
+                 state_pool: str, device: str) -> None:
+        ext = native()
+        self.ext = ext
+        self.engine = ext.Engine(0 if device == "cuda" else -1, threads, True, 256 << 20)
+        self.engine.set_slice_elements(1 << 62)  # whole units, as with speculation or accumulation
+        self.engine.set_hyper(1e-4, 0.9, 0.95, 1e-8, 0.0, 1, group=0)
+        pad = 2048 if skew else 0  # elements: room to start a buffer up to a page past its block
+        self._k = 0
+
+        def buf(alloc: Callable[[int, torch.dtype], torch.Tensor]) -> torch.Tensor:
+            off = (self._k * skew // 2) % 2048  # elements of 2 bytes past the page boundary
+            self._k += 1
+            return alloc(numel + pad, torch.bfloat16)[off:off + numel]
+
+        pinned_states = state_pool == "pinned"
+        per_unit = 2 + (4 if pinned_states else 0)
+        self.engine.reserve_pinned(units * per_unit * (2 * (numel + pad) + 8192))
+
+        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return self.engine.pinned_empty(n, dtype).zero_() if pinned_states else self.engine.host_zeros(n, dtype)
+
+        def empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return (self.engine.pinned_empty if pinned_states else self.engine.host_empty)(n, dtype)
+
+        self.src = torch.randn(numel, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
+        self.grads = []
+        for _ in range(units):
+            self._k = 0
+            params = buf(self.engine.pinned_empty)
+            params.copy_(self.src.cpu())
+            grads = buf(self.engine.pinned_empty)
+            m, v = buf(zeros), buf(zeros)
+            accum = buf(empty) if accumulate else (grads if speculative else None)
+            alt = [buf(zeros) for _ in range(3)] if speculative else []
+            self.engine.add_unit(params, grads, m, v, accum=accum, alt=alt)
+            self.grads.append(grads)
+
+    def run(self, unit: int, job: object, then_step: bool = False) -> None:
+        self.engine.copy(self.ext.Direction.D2H, self.grads[unit], self.src, notify_unit=unit, job=job,
+                         then_step=then_step)
+        self.engine.wait_unit(unit)
+
+
+def pass_times(events: list[tuple[str, str, int, int, int]]) -> dict[int, float]:
+    """Per unit: ms from its first host-step slice's start to its last one's end."""
+    spans: dict[int, list[int]] = defaultdict(lambda: [1 << 62, 0])
+    for lane, _, begin, end, unit in events:
+        if lane.startswith("host step") and unit >= 0:
+            spans[unit][0] = min(spans[unit][0], begin)
+            spans[unit][1] = max(spans[unit][1], end)
+    return {u: (e - b) / 1e6 for u, (b, e) in spans.items()}
+
+
+def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int) -> dict[str, object]:
+    numel = int(a.numel)
+    units = Units(numel, a.units, skew, threads, speculative=name == "speculative",
+                  accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device)
+    jobs = units.ext.Job
+    per_unit: dict[int, list[float]] = defaultdict(list)
+    for step in range(a.warmup + a.steps):
+        if name == "accumulate_step":  # the first micro-batch's pass, untimed
+            for u in reversed(range(a.units)):
+                units.run(u, jobs.ACCUMULATE_FIRST)
+        job = {"step": jobs.STEP, "speculative": jobs.NORM, "accumulate_first": jobs.ACCUMULATE_FIRST,
+               "accumulate_step": jobs.ACCUMULATE_STEP}[name]
+        units.engine.start_trace()
+        for u in reversed(range(a.units)):  # backward's order
+            units.run(u, job, then_step=name == "speculative")
+        times = pass_times(units.engine.stop_trace())
+        if step >= a.warmup:
+            for u, t in times.items():
+                per_unit[u].append(t)
+    med = {u: statistics.median(t) for u, t in sorted(per_unit.items())}
+    even = statistics.median(t for u, t in med.items() if u % 2 == 0)
+    odd = statistics.median(t for u, t in med.items() if u % 2 == 1) if a.units > 1 else float("nan")
+    return {"pass": name, "skew": skew, "state_pool": pool, "ms_per_unit": med, "median_even_ms": even,
+            "median_odd_ms": odd, "ms_per_16M": statistics.median(med.values()) * (1 << 24) / numel}
+
+
+def main() -> None:
+    a = parse()
+    threads = a.threads or default_engine_threads()
+    rows = []
+    skews = [int(s) for s in a.skew.split(",")]
+    if any(s % 64 for s in skews):
+        raise SystemExit(f"--skew: expected multiples of 64 bytes (cache lines), got {a.skew}")
+    names, pools = a.passes.split(","), a.state_pool.split(",")
+    if not set(names) <= set(PASSES) or not set(pools) <= {"host", "pinned"}:
+        raise SystemExit(f"--passes: expected some of {', '.join(PASSES)}; --state-pool: host and/or pinned; "
+                         f"got {a.passes!r} and {a.state_pool!r}")
+    for pool, skew, name in ((p, k, n) for p in pools for k in skews for n in names):
+        row = measure(a, name, skew, pool, threads)
+        print(f"  {name:16s} {pool:6s} skew {skew:4d} B  even {row['median_even_ms']:6.2f} ms  odd "
+              f"{row['median_odd_ms']:6.2f} ms  per 16M {row['ms_per_16M']:5.2f} ms  "
+              f"units {' '.join(f'{t:.1f}' for t in row['ms_per_unit'].values())}", flush=True)
+        rows.append(row)
+    md = [f"{a.units} units of {int(a.numel)} bf16 elements, {threads} threads, {a.steps} timed steps, "
+          f"device {a.device}\n",
+          "| pass | state pool | skew (B) | even units (ms) | odd units (ms) | ms per 16M elements |",
+          "|---|---|---:|---:|---:|---:|"]
+    md += [f"| {r['pass']} | {r['state_pool']} | {r['skew']} | {r['median_even_ms']:.2f} | {r['median_odd_ms']:.2f} | "
+           f"{r['ms_per_16M']:.2f} |" for r in rows]
+    for path in _common.write_results(a.stem, {"threads": threads, "numel": int(a.numel), "units": a.units,
+                                                 "device": a.device, "rows": rows}, "\n".join(md)):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
