@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline (default: build test adamw train).
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
 # RECIPE_EXTRA: more modes for train-recipes (e.g. deepspeed-bf16-clip); B2_DS_MODES: train-b2-ds's modes.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)
@@ -120,6 +120,8 @@ for step in "${steps[@]}"; do
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
         resident,native-mixed-whole,native-mixed,native-mixed-d16,native-mixed-whole,native-mixed,native-mixed-d16,native-bf16-whole,native-bf16 ;;
     gap) run gap python3 benchmarks/bench_gap.py ;;
+    host-passes)  # each host pass alone per unit, as laid out in training: skews and state pools side by side
+      run host_passes python3 benchmarks/bench_host_passes.py --skew 0,576 --state-pool host,pinned ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
     sanitize) sanitize ;;  # compute-sanitizer over a few training steps (see sanitize() above)
