@@ -4,9 +4,9 @@ gradients in the pinned pool, states in the host pool, a unit's buffers one afte
 
 Each unit is stepped alone (its gradient copied in on the simulated device, then waited for), as during
 backward, where one unit lands at a time; the time of a pass is its first slice's start to its last
-slice's end on the engine's timeline. `--skew` starts the k-th buffer of a unit k*skew bytes past its
-page boundary, to tell whether the streams of one pass collide in the caches (they all start on a page
-boundary otherwise).
+slice's end on the engine's timeline. `--skew` moves the k-th buffer of a unit k*skew bytes further
+into its page, on top of the engine's own starts (since 6127aa0 successive buffers start 576 bytes apart;
+before, all on a page boundary, and half the units' speculative steps took 1.8x as long).
 
     python benchmarks/bench_host_passes.py                         # B1's layer size, 16 units
     python benchmarks/bench_host_passes.py --numel 4e6 --units 4 --skew 0,576

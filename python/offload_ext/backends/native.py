@@ -117,7 +117,7 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        align = 1 << 12
+        align = 2 << 12  # per buffer: the rounding to a page, and its start past the page boundary
         pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
         pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
         if self._keep_grads:

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -82,6 +83,9 @@ class Engine {
   uintptr_t compute_stream() const;
 
   const int device_;
+  // Where the next buffer starts past its page boundary, in turns (see next_offset()).
+  size_t next_offset();
+  std::atomic<unsigned> buffers_{0};
   std::shared_ptr<PinnedPool> pinned_;
   std::shared_ptr<PinnedPool> host_;
   std::shared_ptr<StepScheduler> scheduler_;

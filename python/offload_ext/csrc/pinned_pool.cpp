@@ -121,8 +121,12 @@ void PinnedPool::reserve(size_t bytes) {
   add_slabs(sizes);
 }
 
-std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero) {
-  const size_t need = round_up(std::max<size_t>(bytes, 1), kAlign);
+std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero, size_t offset) {
+  if (offset % 64 != 0 || offset >= kAlign) {
+    throw std::invalid_argument("PinnedPool: expected an offset that is a multiple of 64 below 4096, got " +
+                                std::to_string(offset));
+  }
+  const size_t need = round_up(std::max<size_t>(bytes, 1) + offset, kAlign);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = std::find_if(free_.begin(), free_.end(), [&](const auto& kv) { return kv.second >= need; });
   if (it == free_.end()) {
@@ -141,7 +145,7 @@ std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero) {
   high = std::max(high, ptr + need);
   // Each block keeps the pool (and so its slab) alive: a tensor may outlive its engine.
   std::shared_ptr<PinnedPool> self = shared_from_this();
-  return std::shared_ptr<void>(ptr, [self, need](void* p) { self->release(static_cast<char*>(p), need); });
+  return std::shared_ptr<void>(ptr + offset, [self, ptr, need](void*) { self->release(ptr, need); });
 }
 
 void PinnedPool::release(char* ptr, size_t bytes) {

@@ -26,9 +26,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   PinnedPool(const PinnedPool&) = delete;
   PinnedPool& operator=(const PinnedPool&) = delete;
 
-  // An aligned block of at least `bytes`; the shared_ptr gives it back to the pool when released.
+  // A block of at least `bytes` starting `offset` bytes past a page boundary (a multiple of 64: cache
+  // lines); the shared_ptr gives it back to the pool when released.
   // zero: the block reads as zeros (free for never-used slab memory, which the OS hands out zeroed).
-  std::shared_ptr<void> allocate(size_t bytes, bool zero = false);
+  std::shared_ptr<void> allocate(size_t bytes, bool zero = false, size_t offset = 0);
   // Adds enough slabs for `bytes` more, created and page-locked concurrently.
   void reserve(size_t bytes);
   PinnedStats stats() const;
