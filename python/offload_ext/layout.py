@@ -113,9 +113,14 @@ def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda 
 
 
 def speculative_units(layout: Layout) -> frozenset[int]:
-    """The units whose host steps run speculatively under clipping: the top three quarters of each stack.
-    Their gradients land early in backward, while the host would otherwise wait for the norm. The lowest
-    quarter and the part outside the stacks land last and are needed first by the next forward: their
-    steps come after the norm anyway, so they wait for it and step once, clipped (no second buffers, no
-    redo)."""
+    """The units whose host steps may run speculatively under clipping (they get second state buffers):
+    every layer of each stack but its lowest. The lowest lands last, when the norm is known, and the part
+    outside the stacks lands after it: they wait for the norm and step once, clipped."""
+    return frozenset(u.index for part in layout.stacks for u in part.units[1:])
+
+
+def hedged_units(layout: Layout) -> frozenset[int]:
+    """The units that still speculate after a step whose clipping triggered: the top three quarters of
+    each stack. Clipping tends to trigger again; a redone unit of the lowest quarter would finish its
+    wasted speculative step at the end of backward, delaying the redos the next forward waits for."""
     return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) // 4:])

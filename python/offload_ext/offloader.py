@@ -29,7 +29,7 @@ from .layers import (
     unwrap_layer,
     wrap_layer,
 )
-from .layout import Layout, Part, plan_layout, speculative_units
+from .layout import Layout, Part, hedged_units, plan_layout, speculative_units
 from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
 from .state import check_state, host_state, load_host_state, model_weights, span_names
@@ -100,7 +100,8 @@ class Offloader(torch.optim.Optimizer):
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
             grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
             async_step=async_step is not False, grad_accum=grad_accum,
-            speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset())
+            speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset(),
+            hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset())
         t0 = time.perf_counter()
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))

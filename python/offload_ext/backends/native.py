@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -71,11 +72,16 @@ class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
-                 speculative_units: frozenset[int] = frozenset(), grad_accum: int = 1, **_: Any) -> None:
+                 speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
+                 grad_accum: int = 1, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
-        # Clipping: these units step as their gradients land and are redone exactly if the norm clips; the
-        # others wait for the norm.
+        # Clipping: these units (given second buffers) step as their gradients land and are redone exactly
+        # if the norm clips; the others wait for the norm. After a step that clipped, only hedged_units
+        # speculate. prepare() drops the lowest of them when host memory cannot hold their second buffers.
         self._speculative_units = speculative_units
+        self._hedged_units = hedged_units & speculative_units
+        self._speculating = speculative_units  # this step's
+        self._redone_last = False
         self.speculative = bool(speculative_units)
         # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
         # own, kept (as its accum) until the norm decides between the step standing and a redo.
@@ -123,9 +129,31 @@ class NativeBackend(Backend):
         if self._keep_grads:
             pinned += sum(2 * t + align for _, t in sizes)
         units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
+        self._fit_speculation(pinned, units)
         check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision)
         self._engine.reserve_pinned(pinned)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+
+    def _fit_speculation(self, pinned: int, units: list[tuple[int, int]]) -> None:
+        """Speculate only as high up the stacks as host memory holds second buffers for: the lowest units
+        go first (they land last, so speculating on them gains least). None left: check_host_memory says
+        what would fit."""
+        available = available_host_bytes()
+        spec = sorted(self._speculative_units)
+        if available is None or not spec:
+            return
+        dropped = []
+        while spec and pinned + self._pageable_bytes(units) > available:
+            dropped.append(spec.pop(0))
+            self._speculative_units = frozenset(spec)
+        if dropped and spec:
+            warnings.warn(f"Offloader: host memory holds second buffers for {len(spec)} of "
+                          f"{len(spec) + len(dropped)} speculative units; units {dropped[0]}-{dropped[-1]} "
+                          f"wait for the norm under clipping", stacklevel=3)
+        elif dropped:  # nothing speculates after all: the error names the full plan's numbers
+            self._speculative_units = frozenset(dropped)
+        self._hedged_units &= self._speculative_units
+        self._speculating = self._speculative_units
 
     def _state_bytes(self) -> int:
         return 4 if self.precision == "mixed" else 2
@@ -195,6 +223,7 @@ class NativeBackend(Backend):
         super().begin_micro(first, last)
         if first:
             self._flushed.clear()
+            self._speculating = self._hedged_units if self._redone_last else self._speculative_units
 
     def grad_sq_norm(self) -> float:
         units = sorted(self._flushed)
@@ -213,10 +242,11 @@ class NativeBackend(Backend):
 
     def clipped_step(self, scale: float) -> None:
         for i in sorted(self._flushed):
-            if i not in self._speculative_units:  # it waited for the norm: its one step, clipped or not
+            if i not in self._speculating:  # it waited for the norm: its one step, clipped or not
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
             elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
                 self._engine.redo(i, scale)
+        self._redone_last = scale != 1.0
         if not self.asynchronous:
             self._engine.wait_all()
 
@@ -230,7 +260,7 @@ class NativeBackend(Backend):
                 self._engine.wait_unit(owner, reason=reason)
         job = self._job()
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
-                                  then_step=self._last_micro and index in self._speculative_units)
+                                  then_step=self._last_micro and index in self._speculating)
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index
