@@ -39,15 +39,22 @@ def default_grad_slots(precision: str, layers: int, accumulate: bool = False) ->
 
 
 def available_host_bytes() -> int | None:
-    """What the kernel reports as available for new allocations (MemAvailable), None where unknown."""
+    """What the host buffers may take: the kernel's MemAvailable less an eighth of MemTotal, None where
+    unknown. The headroom is for what the check cannot see: CUDA's and torch's own host memory, and the
+    estimate itself (B2 with speculative clipping, 96 GB of buffers planned against 105 GB available on
+    the GPU machine, was killed for memory while filling)."""
+    fields: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    fields[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
-    return None
+    if len(fields) < 2:
+        return None
+    return max(0, fields["MemAvailable"] - fields["MemTotal"] // 8)
 
 
 def check_host_memory(pinned: int, pageable: int, second: int, precision: str) -> None:
