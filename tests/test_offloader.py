@@ -603,6 +603,29 @@ def test_all_layers_but_the_lowest_speculate_and_after_a_redo_only_the_top_three
     assert off.last_clip_action == ("committed" if max_grad_norm > 1 else "redone")
 
 
+def test_once_the_norm_is_known_no_speculative_step_starts_and_the_held_ones_step_in_place() -> None:
+    # A slow host: most speculative steps have not started when the norm is known. Started then, each
+    # would be wasted (clipping) or pay for the second buffers for nothing (no clipping).
+    base, data = tiny_llama(layers=8), batches(3)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, max_grad_norm=1e6, exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=1e6)
+    testing.slow_host_steps(off, 20_000)
+    losses = offloaded_training(off, model, data[:-1])
+    testing.settle(off)
+    with off.trace() as timeline:
+        losses += offloaded_training(off, model, data[-1:])
+    off.close()
+    host = [e for e in timeline.events if e[0] == "host step"]
+    last_norm_end = max(end for _, name, _, end, _ in host if name.startswith("norm"))
+    assert all(begin < last_norm_end for _, name, begin, _, _ in host if name.startswith("speculative step"))
+    in_place = {u for _, name, _, _, u in host if name.startswith("scale + step")}
+    assert in_place - {0}, in_place  # speculative units held, then stepped in place
+    assert losses == ref_losses and off.last_clip_action == "committed"
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_holds(monkeypatch) -> None:
     from offload_ext.backends import native
 

@@ -253,6 +253,9 @@ class NativeBackend(Backend):
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
             elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
                 self._engine.redo(i, scale)
+        # Held since the norm was known: speculative steps not yet started now step in place (clipped
+        # ones became scaled steps in redo()).
+        self._engine.release_speculation()
         self._redone_last = scale != 1.0
         if not self.asynchronous:
             self._engine.wait_all()

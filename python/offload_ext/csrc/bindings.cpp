@@ -155,7 +155,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &Engine::run, py::arg("unit"), py::arg("job"), py::arg("scale") = 1.0f,
            "Queue Job.NORM or Job.SCALE_STEP on a unit whose gradients are accumulated on the host (clipping).")
       .def("sq_norm", &Engine::sq_norm, py::arg("unit"))
-      .def("wait_norms", &Engine::wait_norms, Release(), "Block until every queued norm job is done (they go first).")
+      .def("wait_norms", &Engine::wait_norms, Release(), "Block until every queued norm job is done (they go first); "
+           "speculative steps not yet started are held from then on, until release_speculation() or wait_all().")
+      .def("release_speculation", &Engine::release_speculation, "The norm decided (after any redo): held "
+           "speculative steps run in place as plain steps.")
       .def("redo", &Engine::redo, py::arg("unit"), py::arg("scale"),
            "Redo the unit's speculative step exactly, with its gradients scaled (clipping triggered).")
       .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", Release(),

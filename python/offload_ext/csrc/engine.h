@@ -57,6 +57,7 @@ class Engine {
   double sq_norm(int unit) const { return scheduler_->sq_norm(unit); }
   // Speculative clipping: wait for every queued norm; redo a unit's speculative step, clipped.
   void wait_norms() { scheduler_->wait_norms(); }
+  void release_speculation() { scheduler_->release_speculation(); }
   void redo(int unit, float scale);
   // Blocks until `unit`'s announced jobs are done; on the timeline (lane "wait") as `reason` when it blocked.
   void wait_unit(int unit, const std::string& reason);

@@ -272,9 +272,9 @@ void StepScheduler::loop() {
     std::exception_ptr failure;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      const auto next = pick_locked();
+      auto next = queue_.end();
+      work_cv_.wait(lock, [&] { return stopping_ || (next = pick_locked()) != queue_.end(); });
+      if (next == queue_.end()) return;  // stopping, and nothing (more) may run
       job = *next;
       queue_.erase(next);
       skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
@@ -342,9 +342,17 @@ std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     if (seen[static_cast<size_t>(it->unit)]) continue;  // only a unit's first queued job is a candidate
     seen[static_cast<size_t>(it->unit)] = true;
+    if (held_locked(*it)) continue;
     if (best == queue_.end() || rank(*it) < rank(*best)) best = it;
   }
   return best;
+}
+
+bool StepScheduler::held_locked(const Queued& q) const {
+  // On the GPU machine a speculative step that started in the gap between the last norm and the redos
+  // delayed the whole redo chain, which the next forward waits on, by one step (B1 clipall, run 26).
+  return hold_speculation_ && norms_pending_ == 0 && q.job == Job::kSpeculativeStep && q.begin == 0 &&
+         waiters_[q.unit] == 0;
 }
 
 template <class Done>
@@ -373,6 +381,7 @@ void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_unit_locked(id);
   ++waiters_[id];
+  work_cv_.notify_all();  // a held job of this unit may run now
   wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
   --waiters_[id];
   rethrow_locked();
@@ -401,8 +410,24 @@ void StepScheduler::set_slice_elements(int64_t n) {
   slice_ = n;
 }
 
+void StepScheduler::release_speculation() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!hold_speculation_) return;
+    hold_speculation_ = false;
+    for (Queued& q : queue_) {
+      if (q.job == Job::kSpeculativeStep && q.begin == 0) q.job = Job::kScaleStep;  // q.scale is 1
+    }
+  }
+  work_cv_.notify_all();
+}
+
 void StepScheduler::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (hold_speculation_) {  // everything is to be done: nothing stays held (held jobs run as they are)
+    hold_speculation_ = false;
+    work_cv_.notify_all();
+  }
   wait_locked(lock, [&] {
     for (size_t i = 0; i < units_.size(); ++i) {
       if (stepped_[i] < expected_[i]) return false;
@@ -419,6 +444,7 @@ void StepScheduler::check() {
 
 void StepScheduler::wait_norms() {
   std::unique_lock<std::mutex> lock(mutex_);
+  hold_speculation_ = true;
   ++norm_waiters_;
   wait_locked(lock, [&] { return norms_pending_ == 0 || error_ != nullptr; });
   --norm_waiters_;

@@ -99,8 +99,13 @@ class StepScheduler {
   void notify(int id, Job job = Job::kStep, float scale = 1.0f, bool then_step = false);
   // The last norm result of unit `id` (after waiting for it).
   double sq_norm(int id) const;
-  // Block until every queued norm (kNorm, kAccumulateNorm) is done; meanwhile norms go first.
+  // Block until every queued norm (kNorm, kAccumulateNorm) is done; meanwhile norms go first. From then
+  // on the norm is known and a speculative step started would be wasted or could be done in place: none
+  // not yet started starts (unless a caller waits on its unit) until release_speculation() or wait_all().
   void wait_norms();
+  // The norm decided (after any redo() calls): speculative steps still held become in-place kScaleSteps
+  // with scale 1 (the norm did not clip: the same step, without the second buffers' traffic).
+  void release_speculation();
   // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kSpeculativeStep not yet
   // started becomes an in-place kScaleStep; else a kRedo is queued behind it.
   void redo(int id, float scale);
@@ -135,7 +140,9 @@ class StepScheduler {
     int64_t begin = 0;  // elements done by earlier slices
   };
   void loop();
-  std::deque<Queued>::iterator pick_locked();  // requires mutex_ and a non-empty queue
+  // The job to run next, or queue_.end() when none may run now (all held); requires mutex_.
+  std::deque<Queued>::iterator pick_locked();
+  bool held_locked(const Queued& q) const;  // requires mutex_
   // The job's work on elements [begin, end) of `unit`; its AdamW pass split by the unit's group ranges.
   void run(const StepUnit& unit, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
            const Queued& job);
@@ -155,6 +162,7 @@ class StepScheduler {
   std::vector<int> waiters_;       // per unit: callers blocked in wait()
   int64_t norms_pending_ = 0;      // announced norm jobs not yet done
   int norm_waiters_ = 0;           // callers blocked in wait_norms()
+  bool hold_speculation_ = false;  // see wait_norms()
   std::vector<AdamWHyper> hypers_;  // per parameter group
   std::shared_ptr<TraceRecorder> trace_;
   mutable std::mutex mutex_;
