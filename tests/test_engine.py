@@ -155,8 +155,10 @@ def test_jobs_are_checked_against_the_call_that_queues_them() -> None:
     engine = _engine()
     (u,), tensors = _engine_units(engine, [64], "bf16")
     grad = tensors[0][1]
-    with pytest.raises(RuntimeError, match="SCALE_STEP, SPECULATIVE_STEP and REDO are queued by the engine"):
+    with pytest.raises(RuntimeError, match="SCALE_STEP and REDO are queued by the engine"):
         engine.copy(Direction.D2H, grad, grad.clone(), notify_unit=u, job=Job.SCALE_STEP)
+    with pytest.raises(RuntimeError, match="speculative step needs the unit's second state buffers"):
+        engine.copy(Direction.D2H, grad, grad.clone(), notify_unit=u, job=Job.SPECULATIVE_STEP)
     with pytest.raises(RuntimeError, match="then_step .* goes with Job.NORM or Job.ACCUMULATE_NORM only"):
         engine.copy(Direction.D2H, grad, grad.clone(), notify_unit=u, job=Job.STEP, then_step=True)
     with pytest.raises(RuntimeError, match="expected Job.NORM or Job.SCALE_STEP"):

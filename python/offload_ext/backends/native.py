@@ -57,6 +57,14 @@ def available_host_bytes() -> int | None:
     return max(0, fields["MemAvailable"] - fields["MemTotal"] // 8)
 
 
+def sq_sum(grad: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Sum of the squares of a bf16 gradient in float64 (each square exact), as a 0-d tensor on its device;
+    in chunks, so that the float64 copy stays small beside the layer (128 MB, where a B2 layer's would be
+    1.7 GB). A device-side sum costs the GPU tens of microseconds; the host's pass over the same gradient
+    cost 2 ms of host time per B1 layer (run 26), on the path of every speculative step."""
+    return torch.stack([c.double().square_().sum() for c in grad.split(chunk)]).sum()
+
+
 def check_host_memory(pinned: int, pageable: int, second: int, precision: str) -> None:
     """Refuse, before anything is allocated, host buffers this machine cannot hold (the alternative is the
     kernel killing the process halfway through)."""
@@ -88,6 +96,7 @@ class NativeBackend(Backend):
         self._speculative_units = speculative_units
         self._hedged_units = hedged_units & speculative_units
         self._speculating = speculative_units  # this step's
+        self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
         self._redone_last = False
         self.speculative = bool(speculative_units)
         # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
@@ -215,10 +224,13 @@ class NativeBackend(Backend):
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
 
-    def _job(self) -> Any:
-        """The engine Job a landed gradient copy triggers (with speculation, a SPECULATIVE_STEP follows it)."""
+    def _job(self, index: int) -> Any:
+        """The engine Job a landed gradient copy of unit `index` triggers (with speculation and a host
+        norm, a SPECULATIVE_STEP follows it)."""
         jobs = self._jobs
         if self.speculative and self._last_micro:
+            if self._device_norm(index):
+                return jobs.SPECULATIVE_STEP
             return jobs.NORM if self._keep_grads else jobs.ACCUMULATE_NORM
         if not self.accumulate:
             return jobs.STEP
@@ -226,10 +238,17 @@ class NativeBackend(Backend):
             return jobs.ACCUMULATE_FIRST
         return jobs.ACCUMULATE_STEP if self._last_micro else jobs.ACCUMULATE
 
+    def _device_norm(self, index: int) -> bool:
+        """Whether unit `index`'s norm is taken on the device, from the gradient about to be copied: a single
+        micro-batch's gradient of a unit that speculates (a sum over micro-batches exists on the host only;
+        a unit that waits for the norm has its host NORM job mark its landing)."""
+        return self._keep_grads and self._last_micro and index in self._speculating
+
     def begin_micro(self, first: bool, last: bool) -> None:
         super().begin_micro(first, last)
         if first:
             self._flushed.clear()
+            self._device_sq.clear()
             self._speculating = self._hedged_units if self._redone_last else self._speculative_units
 
     def grad_sq_norm(self) -> float:
@@ -238,7 +257,9 @@ class NativeBackend(Backend):
             # Each unit's norm came with its last gradients, ahead of its speculative step; the norms of
             # copies still in flight are announced already, so this waits for them too.
             self._engine.wait_norms()
-            return sum(self._engine.sq_norm(u) for u in units)
+            host = sum(self._engine.sq_norm(u) for u in units if u not in self._device_sq)
+            device = float(torch.stack(list(self._device_sq.values())).sum()) if self._device_sq else 0.0
+            return host + device
         # The last gradient copies may still be in flight: their accumulate jobs are queued only when
         # they land, and a norm job queued before them would read last micro-batch's sum.
         self._engine.wait_all()
@@ -268,9 +289,12 @@ class NativeBackend(Backend):
                 # Its step still reads this slot (the wait releases the GIL).
                 reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
                 self._engine.wait_unit(owner, reason=reason)
-        job = self._job()
+        job = self._job(index)
+        device_norm = self._device_norm(index)
+        if device_norm:  # on the stream that produced src, before the copy: no host pass over it
+            self._device_sq[index] = sq_sum(src)
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
-                                  then_step=self._last_micro and index in self._speculating)
+                                  then_step=self._last_micro and index in self._speculating and not device_norm)
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index

@@ -39,9 +39,10 @@ int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_
 
 bool is_norm_job(Job job) { return job == Job::kNorm || job == Job::kAccumulateNorm; }
 
+// kSpeculativeStep: the unit's norm was taken on the device, before the copy.
 bool is_copy_job(Job job) {
   return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep ||
-         is_norm_job(job);
+         job == Job::kSpeculativeStep || is_norm_job(job);
 }
 
 // A job announced to the scheduler while it is being enqueued, taken back unless commit() is reached.
@@ -112,12 +113,15 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
               "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
   TORCH_CHECK(is_copy_job(job), "Engine.copy: expected a job a landed gradient triggers (Job.STEP, "
-              "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, NORM or ACCUMULATE_NORM), got ",
-              num(static_cast<int64_t>(job)), "; SCALE_STEP, SPECULATIVE_STEP and REDO are queued by the engine");
+              "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, NORM, ACCUMULATE_NORM or SPECULATIVE_STEP), got ",
+              num(static_cast<int64_t>(job)), "; SCALE_STEP and REDO are queued by the engine");
   TORCH_CHECK(!then_step || is_norm_job(job), "Engine.copy: then_step (a SPECULATIVE_STEP behind the norm) goes "
               "with Job.NORM or Job.ACCUMULATE_NORM only");
   TORCH_CHECK(notify_unit >= 0 || job == Job::kStep, "Engine.copy: a job is only queued for a notify_unit; "
               "pass notify_unit= the unit whose gradients this copy brings");
+  TORCH_CHECK((job != Job::kSpeculativeStep && !then_step) || scheduler_->has_second_buffers(notify_unit),
+              "Engine.copy: a speculative step needs the unit's second state buffers; unit ",
+              num(static_cast<int64_t>(notify_unit)), " was added without alt=");
   check_flat(dst, "the copy's destination");
   check_flat(src, "the copy's source");
   TORCH_CHECK(dst.nbytes() == src.nbytes(), "Engine.copy: expected as many destination bytes as source bytes, got ",

@@ -387,6 +387,12 @@ void StepScheduler::wait(int id) {
   rethrow_locked();
 }
 
+bool StepScheduler::has_second_buffers(int id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit_locked(id);
+  return units_[id].alt_param != nullptr;
+}
+
 bool StepScheduler::swapped(int id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit_locked(id);

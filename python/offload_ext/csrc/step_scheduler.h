@@ -114,6 +114,8 @@ class StepScheduler {
   void wait(int id);
   // Whether every announced job of unit `id` is done (no waiting).
   bool ready(int id) const;
+  // Whether unit `id` has second state buffers (it can step speculatively).
+  bool has_second_buffers(int id) const;
   // Whether unit `id`'s live state is in its second buffers (an odd number of speculative steps so far).
   bool swapped(int id) const;
   void wait_all();
