@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -129,3 +130,52 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: st
                 f.write(text + "\n")
             paths.append(path)
     return paths
+
+
+def _meminfo_gb(key: str) -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024 / 1e9  # kB
+    return float("nan")
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e9  # kB
+    return float("nan")
+
+
+class HostMemoryLog:
+    """Samples this process's RSS and the machine's MemAvailable (GB) every `period` seconds into `path`,
+    one flushed line each, so that the trail survives the process being killed for memory; `peak()`
+    is the highest RSS since the last `label()`."""
+
+    def __init__(self, path: str, period: float = 0.5) -> None:
+        self._file = open(path, "a", buffering=1)
+        self._period, self._label, self._peak = period, "start", 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def label(self, name: str) -> None:
+        self._label, self._peak = name, _rss_gb()
+
+    def peak(self) -> float:
+        self._peak = max(self._peak, _rss_gb())
+        return self._peak
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.wait(self._period):
+            rss = _rss_gb()
+            self._peak = max(self._peak, rss)
+            self._file.write(f"{time.monotonic() - t0:8.1f} s  {self._label:24s} rss {rss:6.1f} GB  "
+                             f"available {_meminfo_gb('MemAvailable'):6.1f} GB\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._file.close()

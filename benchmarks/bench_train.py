@@ -9,7 +9,8 @@ offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entr
 
 A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-whole][-sync][-recipe]: tN engine
 threads, gN gradient slots, dN device_layers, whole for host steps not sliced (one unit at a time, as
-before slicing), sync for async_step=False (e.g. native-mixed-g6-sync). The recipe suffixes, on
+before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
+speculative_clip=False. The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
 per step). Each offloaded mode's ratio is to the resident mode of the same recipe when the run has one.
@@ -69,7 +70,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync
+    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync, nospec
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
 
@@ -114,6 +115,8 @@ def parse() -> argparse.Namespace:
                     help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="after the timed steps, trace one more per offloaded mode into DIR/timeline_<mode>.json")
+    ap.add_argument("--memory-log", default=None, metavar="FILE",
+                    help="sample host RSS and MemAvailable every 0.5 s into FILE (flushed: it survives a kill)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -216,7 +219,8 @@ def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[t
                                 grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
                                 async_step=False if "sync" in mode.options else None,
                                 slice_elements=1 << 62 if "whole" in mode.options else None,
-                                grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm)
+                                grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
+                                speculative_clip="nospec" not in mode.options)
     return model, off, None
 
 
@@ -383,7 +387,16 @@ def main() -> None:
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
     print(f"{a.preset.upper()}: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
           f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)
-    rows = [run_mode(m, a, tokens) for m in modes]
+    memory = _common.HostMemoryLog(a.memory_log) if a.memory_log else None
+    rows = []
+    for m in modes:
+        if memory:
+            memory.label(m.name)
+        rows.append(run_mode(m, a, tokens))
+        if memory:
+            rows[-1]["host_rss_peak_gb"] = memory.peak()
+    if memory:
+        memory.close()
     residents = {m.recipe: r for m, r in zip(modes, rows) if m.backend == "resident"}
     resident = residents.get((None, 1))
     lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "

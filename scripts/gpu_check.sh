@@ -3,7 +3,8 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
-# RECIPE_EXTRA: more modes for train-recipes (e.g. deepspeed-bf16-clip); B2_DS_MODES: train-b2-ds's modes.
+# RECIPE_EXTRA: more modes for train-recipes (e.g. deepspeed-bf16-clip); B2_MODES, B2_DS_MODES: train-b2's and
+# train-b2-ds's modes (train-b2 samples host memory into $OUT/host_memory_b2.log).
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
@@ -103,8 +104,8 @@ for step in "${steps[@]}"; do
       run train_recipes python3 benchmarks/bench_train.py --stem train_b1_recipes --modes \
         resident,native-bf16,native-mixed,resident-clip,native-bf16-clip,resident-clipall,native-bf16-clipall,native-mixed-clipall,resident-accum2,native-bf16-accum2,native-bf16-d16-accum2,resident-accum4,native-bf16-accum4,native-bf16-d16-accum4${RECIPE_EXTRA:+,$RECIPE_EXTRA} ;;
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
-      run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 --modes \
-        resident-clip,native-bf16-clip,native-bf16-clipall ;;
+      run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
+        --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16-clip,native-bf16-clipall}" ;;
     train-b2-ds)  # DeepSpeed's ZeRO-3 offload on the same B2 recipe, in a process of its own (its host peak is high)
       run train_b2_ds python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
