@@ -23,7 +23,11 @@ import torch
 import _common
 from offload_ext.backends.native import default_engine_threads, native
 
-PASSES = ("step", "speculative", "accumulate_first", "accumulate_step")
+PASSES = ("step", "speculative", "scale_step", "redo", "accumulate_first", "accumulate_step")
+# The jobs each pass times, by their names on the timeline (a norm on the host comes with some).
+TIMED = {"step": ("step",), "speculative": ("norm", "speculative step"), "scale_step": ("scale + step u",),
+         "redo": ("scale + step from before",), "accumulate_first": ("accumulate (first)",),
+         "accumulate_step": ("accumulate + step",)}
 
 
 def parse() -> argparse.Namespace:
@@ -36,6 +40,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--state-pool", default="host", help="comma-separated: host (as the backend) and/or pinned")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda: gradients copied from the GPU into page-locked buffers, as in training")
+    ap.add_argument("--scale", type=float, default=0.5, help="the clipping scale of scale_step and redo")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--passes", default=",".join(PASSES))
     ap.add_argument("--stem", default="host_passes")
@@ -89,11 +94,11 @@ class Units:
         self.engine.wait_unit(unit)
 
 
-def pass_times(events: list[tuple[str, str, int, int, int]]) -> dict[int, float]:
-    """Per unit: ms from its first host-step slice's start to its last one's end."""
+def pass_times(events: list[tuple[str, str, int, int, int]], names: tuple[str, ...]) -> dict[int, float]:
+    """Per unit: ms from the start of its first host-step slice named as in `names` to its last one's end."""
     spans: dict[int, list[int]] = defaultdict(lambda: [1 << 62, 0])
-    for lane, _, begin, end, unit in events:
-        if lane.startswith("host step") and unit >= 0:
+    for lane, name, begin, end, unit in events:
+        if lane.startswith("host step") and unit >= 0 and name.startswith(names):
             spans[unit][0] = min(spans[unit][0], begin)
             spans[unit][1] = max(spans[unit][1], end)
     return {u: (e - b) / 1e6 for u, (b, e) in spans.items()}
@@ -101,7 +106,7 @@ def pass_times(events: list[tuple[str, str, int, int, int]]) -> dict[int, float]
 
 def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int) -> dict[str, object]:
     numel = int(a.numel)
-    units = Units(numel, a.units, skew, threads, speculative=name == "speculative",
+    units = Units(numel, a.units, skew, threads, speculative=name in ("speculative", "scale_step", "redo"),
                   accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device)
     jobs = units.ext.Job
     per_unit: dict[int, list[float]] = defaultdict(list)
@@ -109,12 +114,18 @@ def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int
         if name == "accumulate_step":  # the first micro-batch's pass, untimed
             for u in reversed(range(a.units)):
                 units.run(u, jobs.ACCUMULATE_FIRST)
-        job = {"step": jobs.STEP, "speculative": jobs.NORM, "accumulate_first": jobs.ACCUMULATE_FIRST,
-               "accumulate_step": jobs.ACCUMULATE_STEP}[name]
+        job = {"step": jobs.STEP, "accumulate_first": jobs.ACCUMULATE_FIRST,
+               "accumulate_step": jobs.ACCUMULATE_STEP}.get(name, jobs.NORM)
         units.engine.start_trace()
         for u in reversed(range(a.units)):  # backward's order
-            units.run(u, job, then_step=name == "speculative")
-        times = pass_times(units.engine.stop_trace())
+            units.run(u, job, then_step=name in ("speculative", "redo"))
+        for u in range(a.units):  # after the norm, the lowest first
+            if name == "scale_step":
+                units.engine.run(u, jobs.SCALE_STEP, a.scale)
+            elif name == "redo":
+                units.engine.redo(u, a.scale)
+        units.engine.wait_all()
+        times = pass_times(units.engine.stop_trace(), TIMED[name])
         if step >= a.warmup:
             for u, t in times.items():
                 per_unit[u].append(t)
