@@ -368,21 +368,36 @@ def test_offload_all_steps_every_parameter_on_the_host_like_training_without_off
         assert bf16_ulp_distance(a, b).max().item() <= 2, name
 
 
+@pytest.mark.parametrize("on_device", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("backend", ["python", "native"])
-def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precision) -> None:
+def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precision, on_device) -> None:
     base = tiny_llama(layers=4)
     data = batches(6)
     ref_losses, ref_model = reference_training(base, data, precision, LR, WD, micro_batches=3)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
-                                grad_accum=3, grad_slots=2)
+                                grad_accum=3, grad_slots=2, accumulate_on_device=on_device)
     testing.delayed_copies(off, 1000)
     losses = offloaded_training(off, model, data)
     off.close()
     assert losses == ref_losses
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_sums_on_the_device_reach_the_host_once_per_step_with_no_host_accumulation() -> None:
+    model = tiny_llama(layers=4)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", grad_accum=3, accumulate_on_device=True)
+    data = batches(6)
+    offloaded_training(off, model, data[:3])
+    testing.settle(off)
+    with off.trace() as timeline:
+        offloaded_training(off, model, data[3:])
+    off.close()
+    d2h = [e for e in timeline.events if e[0] == "D2H"]
+    host = {name.rsplit(" u", 1)[0] for lane, name, *_ in timeline.events if lane == "host step"}
+    assert sorted(e[4] for e in d2h) == [0, 1, 2, 3] and host == {"step"}, (d2h, host)
 
 
 def test_step_before_all_micro_batches_is_refused() -> None:
@@ -415,11 +430,14 @@ def _clipped_run(base, data, backend, precision, max_grad_norm=0.5, grad_accum=2
 CLIP_VARIANTS = [("python", True), ("native", True), ("native", False)]
 
 
+@pytest.mark.parametrize("on_device", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("backend, speculative", CLIP_VARIANTS)
-def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend, speculative, precision) -> None:
+def test_gradient_clipping_is_exact_and_agrees_with_torch_clip_grad_norm(backend, speculative, precision,
+                                                                          on_device) -> None:
     base, data = tiny_llama(layers=4), batches(8)
-    losses, norms, model, actions = _clipped_run(base, data, backend, precision, speculative_clip=speculative)
+    losses, norms, model, actions = _clipped_run(base, data, backend, precision, speculative_clip=speculative,
+                                                 accumulate_on_device=on_device)
     assert set(actions) == ({"redone"} if backend == "native" and speculative else {"clipped"})
     exact_norms: list[float] = []
     fp32_norms: list[float] = []

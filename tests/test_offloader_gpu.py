@@ -45,13 +45,14 @@ def test_loss_curves_match_gpu_resident_training_over_30_steps(precision) -> Non
     assert curves["native"][-1] < curves["native"][0] - 0.5  # it learns
 
 
+@pytest.mark.parametrize("on_device", [False, True])  # micro-batches summed on the host or on the GPU
 @pytest.mark.parametrize("backend", ["python", "native"])
-def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backend) -> None:
+def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backend, on_device) -> None:
     base, data = small_llama(), repeating_batches(24)
     ref, _ = reference_training(base, data, "mixed", lr=3e-3, wd=0.0, device="cuda", micro_batches=2)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=3e-3, precision="mixed", backend=backend, device="cuda",
-                                offload_all=True, grad_accum=2, grad_slots=2)
+                                offload_all=True, grad_accum=2, grad_slots=2, accumulate_on_device=on_device)
     losses = offloaded_training(off, model, data, device="cuda")
     off.close()
     for ours, theirs in zip(losses, ref):

@@ -3,20 +3,43 @@ gradient buffer as it is produced, and sent to the host with the unit's last one
 
 A post-accumulate-grad hook per parameter copies .grad into the buffer and frees it at once, so a
 layer's gradients never outlive its backward on the device. Units alternate between (up to) two
-gradient buffers; a buffer is reused only once its previous copy to the host has landed.
+gradient buffers; a buffer is reused only once its previous copy to the host has landed. With gradient
+accumulation on the device, each unit instead sums its micro-batches' gradients in a buffer of its own
+(bf16, as torch sums .grad) and sends the sum once, in the last micro-batch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .backends import Backend, LayerBuffers
 from .layout import Part, Span
 
 
+def sums_on_device(choice: bool | None, grad_accum: int, parts: Sequence[Part], device: torch.device) -> bool:
+    """Whether gradients of several micro-batches are summed on the device (one copy to the host per step)
+    rather than on the host (one per micro-batch). None chooses: on a GPU, when the sums (2 bytes per
+    trainable streamed parameter) take at most a quarter of what this process may still allocate there;
+    on the simulated device, not (pass True to run that path there)."""
+    if grad_accum == 1:
+        return False
+    if choice is not None:
+        return choice
+    if device.type != "cuda":
+        return False
+    need = 2 * sum(u.trainable_numel for part in parts for u in part.units)
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+    cap = (fraction(device) if fraction else 1.0) * total
+    return need <= min(free, cap - torch.cuda.memory_reserved(device)) / 4
+
+
 class GradPath:
-    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
+    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int,
+                 sum_on_device: bool = False) -> None:
         self.part = part
         self.host = host
         self.backend = backend
@@ -24,6 +47,14 @@ class GradPath:
         self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
         self.drained: list[Any] = [None] * buffers                  # per buffer: its last copy to the host
         self.received: list[set[int]] = [set() for _ in part.units]  # per position: offsets landed this backward
+        # Accumulation on the device: per position, the sum over this step's micro-batches and its last copy.
+        self.sums = [backend.device_buffer(u.trainable_numel) for u in part.units] if sum_on_device else None
+        self.sums_drained: list[Any] = [None] * len(part.units)
+        self.first_micro, self.last_micro = True, True
+
+    def begin_micro(self, first: bool, last: bool) -> None:
+        """The coming backward is the first and/or the last micro-batch of its step."""
+        self.first_micro, self.last_micro = first, last
 
     def hook(self) -> list[Any]:
         """Register the gradient hooks; returns their handles."""
@@ -35,6 +66,8 @@ class GradPath:
         return handles
 
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
+        if self.sums is not None:
+            return self._on_grad_summed(i, s, p)
         unit = self.part.units[i]
         b = i % len(self.buffers)
         if not self.received[i] and self.drained[b] is not None:
@@ -46,6 +79,19 @@ class GradPath:
             self.received[i].clear()
             src = self.buffers[b][: unit.trainable_numel]
             self.drained[b] = self.backend.flush_grads(unit.index, self.host[i], src)
+
+    def _on_grad_summed(self, i: int, s: Span, p: nn.Parameter) -> None:
+        unit, total = self.part.units[i], self.sums[i]
+        if self.first_micro and not self.received[i] and self.sums_drained[i] is not None:
+            self.backend.compute_wait(self.sums_drained[i])  # last step's copy of this sum has landed
+        view, grad = total[s.offset:s.offset + s.numel], p.grad.reshape(-1)
+        view.copy_(grad) if self.first_micro else view.add_(grad)
+        p.grad = None
+        self.received[i].add(s.offset)
+        if len(self.received[i]) == unit.trainable:
+            self.received[i].clear()
+            if self.last_micro:
+                self.sums_drained[i] = self.backend.flush_grads(unit.index, self.host[i], total)
 
     def check_complete(self, name_of: Callable[[nn.Parameter], str]) -> None:
         """Raise if a unit got only some of its gradients in the last backward (and forget them)."""

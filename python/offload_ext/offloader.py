@@ -20,7 +20,7 @@ from torch import nn
 from .backends import Backend, Hyper, LayerBuffers, make_backend
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
-from .grad_path import GradPath
+from .grad_path import GradPath, sums_on_device
 from .host_fill import fill_unit
 from .layers import (
     disable_activation_checkpointing,
@@ -73,6 +73,7 @@ class Offloader(torch.optim.Optimizer):
         groups: Sequence[dict[str, Any]] | None = None,
         no_decay: Sequence[str] = (),
         speculative_clip: bool = True,
+        accumulate_on_device: bool | None = None,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -92,14 +93,15 @@ class Offloader(torch.optim.Optimizer):
         self._closed = False
         self._timeline: Timeline | None = None
         # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
-        self._policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native")
+        self._policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native",
+                                  sums_on_device(accumulate_on_device, grad_accum, self.layout.parts, self.device))
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
             grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
-            async_step=async_step is not False, grad_accum=grad_accum,
+            async_step=async_step is not False, grad_accum=self._policy.host_grad_accum,
             speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset(),
             hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset())
         t0 = time.perf_counter()
@@ -128,7 +130,7 @@ class Offloader(torch.optim.Optimizer):
             host = [self._host[u.index] for u in part.units]
             buffers = min(len(part.units), device_layers) if part.layers else 1
             rings.append(DeviceRing(part, host, self._backend, buffers))
-            paths.append(GradPath(part, host, self._backend, min(2, buffers)))
+            paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device))
         return rings, paths
 
     # ------------------------------------------------------------------ training API
@@ -178,6 +180,8 @@ class Offloader(torch.optim.Optimizer):
         self._check_open()
         hypers = self._hypers()
         self._policy.begin_backward(self._backend)
+        for path in self._grad_paths:
+            path.begin_micro(first=self._policy.micro == 1, last=self._policy.micro == self._policy.grad_accum)
         self._backend.begin_step(hypers)
         with span(self._timeline, "python", "backward"):
             loss.backward()

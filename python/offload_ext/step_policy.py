@@ -18,8 +18,11 @@ from .backends import Backend
 
 
 class StepPolicy:
-    def __init__(self, grad_accum: int, max_grad_norm: float | None, speculative: bool) -> None:
+    def __init__(self, grad_accum: int, max_grad_norm: float | None, speculative: bool,
+                 sums_on_device: bool = False) -> None:
         self.grad_accum = grad_accum
+        # Micro-batches summed on the device: the host sees one gradient per unit and step, as with one.
+        self.sums_on_device = sums_on_device
         self.max_grad_norm = max_grad_norm
         self.speculative = speculative and max_grad_norm is not None
         # The last step's clipping: "committed" / "redone" (speculative), "unclipped" / "clipped" (not).
@@ -30,7 +33,12 @@ class StepPolicy:
     @property
     def accumulates(self) -> bool:
         """Whether units sum their gradients in host accumulators rather than stepping straight from them."""
-        return self.grad_accum > 1 or self.max_grad_norm is not None
+        return (self.grad_accum > 1 and not self.sums_on_device) or self.max_grad_norm is not None
+
+    @property
+    def host_grad_accum(self) -> int:
+        """Micro-batches whose gradients reach the host per step."""
+        return 1 if self.sums_on_device else self.grad_accum
 
     def begin_backward(self, backend: Backend) -> None:
         if self.micro == self.grad_accum:
@@ -38,8 +46,12 @@ class StepPolicy:
                                f"grad_accum={self.grad_accum}; call step() after every {self.grad_accum} "
                                "backward() calls, or build the Offloader with a larger grad_accum")
         self.micro += 1
-        steps_now = self.micro == self.grad_accum and (self.max_grad_norm is None or self.speculative)
-        backend.begin_micro(first=self.micro == 1, last=steps_now)
+        last = self.micro == self.grad_accum
+        steps_now = last and (self.max_grad_norm is None or self.speculative)
+        if not self.sums_on_device:
+            backend.begin_micro(first=self.micro == 1, last=steps_now)
+        elif last:  # the only micro-batch the host sees
+            backend.begin_micro(first=True, last=steps_now)
 
     def check_step(self) -> None:
         if self.micro == 0:
