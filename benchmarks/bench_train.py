@@ -10,7 +10,8 @@ offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entr
 A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-whole][-sync][-recipe]: tN engine
 threads, gN gradient slots, dN device_layers, whole for host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
-speculative_clip=False. The recipe suffixes, on
+speculative_clip=False, hostsum for accumulate_on_device=False (micro-batches summed on the host; by
+default on the GPU when the sums fit). The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
 per step). Each offloaded mode's ratio is to the resident mode of the same recipe when the run has one.
@@ -70,7 +71,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync, nospec
+    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync, nospec, hostsum
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
 
@@ -220,7 +221,8 @@ def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[t
                                 async_step=False if "sync" in mode.options else None,
                                 slice_elements=1 << 62 if "whole" in mode.options else None,
                                 grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
-                                speculative_clip="nospec" not in mode.options)
+                                speculative_clip="nospec" not in mode.options,
+                                accumulate_on_device=False if "hostsum" in mode.options else None)
     return model, off, None
 
 

@@ -47,7 +47,8 @@ class Trainer:
             self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
                                  backend=args.backend, device=device, compile_layers=args.compile,
                                  offload_all=args.offload_all, grad_accum=args.grad_accum,
-                                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args))
+                                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
+                                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on])
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
