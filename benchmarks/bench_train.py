@@ -7,8 +7,9 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-whole][-sync][-recipe]: tN engine
-threads, gN gradient slots, dN device_layers, whole for host steps not sliced (one unit at a time, as
+A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-whole][-sync][-recipe]: tN engine
+threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
+the GPU), whole for host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
 speculative_clip=False, hostsum for accumulate_on_device=False (micro-batches summed on the host; by
 default on the GPU when the sums fit). The recipe suffixes, on
@@ -71,7 +72,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, whole, sync, nospec, hostsum
+    options: tuple[str, ...] = ()  # tN, gN, dN, rN, whole, sync, nospec, hostsum
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
 
@@ -222,7 +223,8 @@ def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[t
                                 slice_elements=1 << 62 if "whole" in mode.options else None,
                                 grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
                                 speculative_clip="nospec" not in mode.options,
-                                accumulate_on_device=False if "hostsum" in mode.options else None)
+                                accumulate_on_device=False if "hostsum" in mode.options else None,
+                                resident_layers=mode.option("r") or 0)
     return model, off, None
 
 

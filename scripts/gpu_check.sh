@@ -102,7 +102,7 @@ for step in "${steps[@]}"; do
       run train python3 benchmarks/bench_train.py --modes "${TRAIN_MODES:-resident,python-bf16,native-bf16,native-mixed,native-mixed-d16}" ;;
     train-recipes)  # issue 11's recipes, each beside its GPU-resident peer
       run train_recipes python3 benchmarks/bench_train.py --stem train_b1_recipes --modes \
-        resident,native-bf16,native-mixed,resident-clip,native-bf16-clip,resident-clipall,native-bf16-clipall,native-mixed-clipall,resident-accum2,native-bf16-accum2,native-bf16-hostsum-accum2,native-bf16-d16-accum2,resident-accum4,native-bf16-accum4,native-bf16-d16-accum4${RECIPE_EXTRA:+,$RECIPE_EXTRA} ;;
+        resident,native-bf16,native-mixed,resident-clip,native-bf16-clip,resident-clipall,native-bf16-clipall,native-mixed-clipall,resident-accum2,native-bf16-accum2,native-bf16-hostsum-accum2,native-bf16-d16-accum2,resident-accum4,native-bf16-accum4,native-bf16-d16-accum4,native-bf16-r4,native-bf16-r4-clip,native-bf16-r4-clipall,native-mixed-r4-clipall${RECIPE_EXTRA:+,$RECIPE_EXTRA} ;;
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
         --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16-clip,native-bf16-clipall}" ;;

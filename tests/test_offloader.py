@@ -400,6 +400,32 @@ def test_sums_on_the_device_reach_the_host_once_per_step_with_no_host_accumulati
     assert sorted(e[4] for e in d2h) == [0, 1, 2, 3] and host == {"step"}, (d2h, host)
 
 
+@pytest.mark.parametrize("max_grad_norm, grad_accum", [(None, 1), (0.5, 2), (1e6, 1)])
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_resident_layers_train_exactly_like_the_streamed_ones(backend, precision, max_grad_norm, grad_accum) -> None:
+    # The lowest layers stay on the device, stepped there by torch's AdamW; the rest stream as before.
+    base, data = tiny_llama(layers=4), batches(4)
+    ref_losses, ref_model = reference_training(base, data, precision, LR, WD, micro_batches=grad_accum,
+                                               max_grad_norm=max_grad_norm, exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
+                                resident_layers=2, grad_accum=grad_accum, max_grad_norm=max_grad_norm)
+    assert [len(part.units) for part in off.layout.stacks] == [2] and len(off.layout.resident) == 2
+    losses = []
+    for k in range(0, len(data), grad_accum):
+        losses += offloaded_training(off, model, data[k:k + grad_accum])
+    off.close()
+    assert losses == ref_losses
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_resident_layers_leave_a_streamed_layer_in_every_stack() -> None:
+    with pytest.raises(ValueError, match=r"resident_layers must be in \[0, 3\].*got 4"):
+        offload_ext.Offloader(tiny_llama(layers=4), backend="native", device="cpu", resident_layers=4)
+
+
 def test_step_before_all_micro_batches_is_refused() -> None:
     model = tiny_llama(layers=2)
     off = offload_ext.Offloader(model, backend="native", device="cpu", grad_accum=2)

@@ -60,15 +60,17 @@ def test_offload_all_and_gradient_accumulation_match_gpu_resident_training(backe
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("resident_layers", [0, 1])  # all layers streamed, or the lowest kept on the GPU
 @pytest.mark.parametrize("max_grad_norm", [0.3, 1e6])  # triggering every step (redone), never (committed)
 @pytest.mark.parametrize("backend", ["python", "native"])
-def test_gradient_clipping_matches_gpu_resident_training(backend, max_grad_norm) -> None:
+def test_gradient_clipping_matches_gpu_resident_training(backend, max_grad_norm, resident_layers) -> None:
     base, data = small_llama(), repeating_batches(12)
     ref_norms: list[float] = []
     ref, _ = reference_training(base, data, "bf16", lr=3e-3, wd=0.0, device="cuda", max_grad_norm=max_grad_norm,
                                 norms=ref_norms, exact_clip=True)
     model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, lr=3e-3, backend=backend, device="cuda", max_grad_norm=max_grad_norm)
+    off = offload_ext.Offloader(model, lr=3e-3, backend=backend, device="cuda", max_grad_norm=max_grad_norm,
+                                resident_layers=resident_layers)
     actions: list[str | None] = []
     losses = []
     for k in range(len(data)):

@@ -59,9 +59,11 @@ class Part:
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    stacks: tuple[Part, ...]
+    stacks: tuple[Part, ...]             # each stack's streamed layers
     outside: Part | None                 # offload_all: the rest as one more host-stepped unit
     device_params: tuple[nn.Parameter, ...]  # otherwise the rest stays on the device, with a device AdamW
+    resident: tuple[nn.Module, ...] = ()     # the lowest layers of each stack kept on the device (their
+                                             # parameters among device_params), checkpointed as streamed ones
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -91,25 +93,36 @@ def _unit(index: int, params: list[nn.Parameter], group_of: GroupOf) -> Unit:
     return Unit(index, tuple(spans), len(trainable), tuple(groups))
 
 
-def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda p: 0) -> Layout:
-    """Find the model's layer stacks and lay out every streamed parameter (`group_of`: its param group)."""
+def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda p: 0,
+                resident_layers: int = 0) -> Layout:
+    """Find the model's layer stacks and lay out every streamed parameter (`group_of`: its param group).
+    The lowest `resident_layers` of each stack stay on the device, stepped there."""
     found = find_layer_stacks(model)
     if not found:
         raise ValueError(
             f"Offloader: found no layer stack in {type(model).__name__}: expected an nn.ModuleList or "
             "nn.Sequential of two or more layers of one type (like model.model.layers in HF Llama)")
-    stacks, index = [], 0
+    shortest = min(len(stack) for _, stack in found)
+    if not 0 <= resident_layers < shortest:
+        raise ValueError(f"Offloader: resident_layers must be in [0, {shortest - 1}] (each stack keeps at least "
+                         f"one streamed layer; the shortest has {shortest}), got {resident_layers}")
+    stacks, resident, index = [], [], 0
     for name, stack in found:
+        resident += list(stack)[:resident_layers]
+        layers = tuple(stack)[resident_layers:]
         units = []
-        for layer in stack:
+        for layer in layers:
             units.append(_unit(index, list(layer.parameters()), group_of))
             index += 1
-        stacks.append(Part(name, tuple(stack), tuple(units)))
-    streamed = {id(p) for _, s in found for p in s.parameters()}
-    rest = [p for p in model.parameters() if id(p) not in streamed]
+        stacks.append(Part(name, layers, tuple(units)))
+    streamed = {id(p) for part in stacks for layer in part.layers for p in layer.parameters()}
+    kept = {id(p) for layer in resident for p in layer.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in streamed and id(p) not in kept]
+    on_device = tuple(p for layer in resident for p in layer.parameters())
     if offload_all and rest:
-        return Layout(tuple(stacks), Part("outside the stacks", (), (_unit(index, rest, group_of),)), ())
-    return Layout(tuple(stacks), None, tuple(rest))
+        outside = Part("outside the stacks", (), (_unit(index, rest, group_of),))
+        return Layout(tuple(stacks), outside, on_device, tuple(resident))
+    return Layout(tuple(stacks), None, on_device + tuple(rest), tuple(resident))
 
 
 def speculative_units(layout: Layout) -> frozenset[int]:

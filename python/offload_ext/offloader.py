@@ -74,6 +74,7 @@ class Offloader(torch.optim.Optimizer):
         no_decay: Sequence[str] = (),
         speculative_clip: bool = True,
         accumulate_on_device: bool | None = None,
+        resident_layers: int = 0,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -84,7 +85,7 @@ class Offloader(torch.optim.Optimizer):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
         self.device = resolve_device(device)
-        self.layout: Layout = plan_layout(model, offload_all, group_of)
+        self.layout: Layout = plan_layout(model, offload_all, group_of, resident_layers)
         super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
@@ -120,6 +121,8 @@ class Offloader(torch.optim.Optimizer):
         for stack, ring in zip(self.layout.stacks, self._rings):
             for i, layer in enumerate(stack.layers):
                 wrap_layer(layer, lambda ring=ring, i=i: ring.before_layer(i), compile_layers)
+        for layer in self.layout.resident:  # checkpointed as the streamed layers are, with nothing to fetch
+            wrap_layer(layer, lambda: None, compile_layers)
         self._restart_rings()
 
     def _device_side(self, device_layers: int) -> tuple[list[DeviceRing], list[GradPath]]:
@@ -292,9 +295,8 @@ class Offloader(torch.optim.Optimizer):
         weights = self.model_state_dict()
         for h in self._hooks:
             h.remove()
-        for stack in self.layout.stacks:
-            for layer in stack.layers:
-                unwrap_layer(layer)
+        for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):
+            unwrap_layer(layer)
         for name, p in self.model.named_parameters(remove_duplicate=False):
             p.data = weights[name]
         self.model.to("cpu")

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 on a GPU, 64 on a CPU")
     ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--resident-layers", type=int, default=0,
+                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload)")
     ap.add_argument("--accumulate-on", choices=("auto", "device", "host"), default="auto",
                     help="where --grad-accum's micro-batches are summed (offload): on the GPU, one gradient copy "
                          "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "

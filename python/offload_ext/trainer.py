@@ -48,7 +48,8 @@ class Trainer:
                                  backend=args.backend, device=device, compile_layers=args.compile,
                                  offload_all=args.offload_all, grad_accum=args.grad_accum,
                                  max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
-                                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on])
+                                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
+                                 resident_layers=args.resident_layers)
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
