@@ -94,14 +94,15 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
+@pytest.mark.parametrize("resident_layers", [0, 1])
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed
-def test_state_dict_after_speculative_steps_continues_the_same_run(precision, max_grad_norm) -> None:
+def test_state_dict_after_speculative_steps_continues_the_same_run(precision, max_grad_norm, resident_layers) -> None:
     # Each speculative step leaves the live state in the other of a unit's two buffers: after an odd number
-    # of steps, the state saved and the state loaded must be the live ones.
+    # of steps, the state saved and the state loaded must be the live ones (a resident layer's, the device's).
     base, data = tiny_llama(layers=3), batches(5)
     kw = dict(lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
-              max_grad_norm=max_grad_norm)
+              max_grad_norm=max_grad_norm, resident_layers=resident_layers)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, **kw)
     offloaded_training(off, model, data[:3])
