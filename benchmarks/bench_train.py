@@ -117,6 +117,8 @@ def parse() -> argparse.Namespace:
                     help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="after the timed steps, trace one more per offloaded mode into DIR/timeline_<mode>.json")
+    ap.add_argument("--trace-gpu", action="store_true",
+                    help="with --trace: run the traced step under torch.profiler and merge its GPU streams in")
     ap.add_argument("--memory-log", default=None, metavar="FILE",
                     help="sample host RSS and MemAvailable every 0.5 s into FILE (flushed: it survives a kill)")
     ap.add_argument("--steps", type=int, default=12)
@@ -310,9 +312,7 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
             busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0
     if a.trace and off is not None:  # one more step, traced, after the timed ones
-        os.makedirs(a.trace, exist_ok=True)
-        with off.trace(os.path.join(a.trace, f"timeline_{mode.name}.json")):
-            _train_step(mode, model, off, opt, micro)
+        _traced_step(mode, model, off, opt, micro, a)
     row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
            "build_s": build,
@@ -333,6 +333,23 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
           f"  build {build:.1f} s  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB"
           f"  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
     return row
+
+
+def _traced_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
+                 a: argparse.Namespace) -> None:
+    """One step on the engine's timeline, written to DIR/timeline_<mode>.json; with --trace-gpu, inside
+    torch.profiler too, its GPU streams (kernels, copies) merged in as more lanes."""
+    os.makedirs(a.trace, exist_ok=True)
+    profiler = contextlib.nullcontext()
+    if a.trace_gpu:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    with profiler as prof, off.trace() as timeline:
+        _train_step(mode, model, off, opt, micro)
+    if prof is not None:
+        timeline.add_profile(prof)
+    timeline.write(os.path.join(a.trace, f"timeline_{mode.name}.json"))
 
 
 def _num(value: float | None, spec: str = ".4f") -> str:

@@ -110,9 +110,10 @@ for step in "${steps[@]}"; do
       run train_b2_ds python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
     timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
+      modes=${TIMELINE_MODES:-native-bf16,native-bf16-clipall,native-bf16-accum2}
       run timeline python3 benchmarks/bench_train.py --stem train_b1_timeline --steps 4 --warmup 2 \
-        --modes native-bf16,native-bf16-clipall,native-bf16-accum2 --trace "$OUT/timelines"
-      for m in native-bf16 native-bf16-clipall native-bf16-accum2; do
+        --modes "$modes" --trace "$OUT/timelines" ${TRACE_GPU:+--trace-gpu}
+      for m in ${modes//,/ }; do
         run "plot_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines/timeline_$m.json" "$OUT/timeline_b1_$m.png" \
           --title "B1 $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
       done ;;
