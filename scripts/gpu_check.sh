@@ -4,7 +4,8 @@
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
 # RECIPE_EXTRA: more modes for train-recipes (e.g. deepspeed-bf16-clip); B2_MODES, B2_DS_MODES: train-b2's and
-# train-b2-ds's modes (train-b2 samples host memory into $OUT/host_memory_b2.log).
+# train-b2-ds's modes (train-b2 samples host memory into $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's
+# modes, TRACE_GPU=1: with the profiler's GPU streams merged in.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
