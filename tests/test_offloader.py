@@ -160,6 +160,18 @@ def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -
         offload_ext.Offloader(model, backend="native", device="cpu", max_grad_norm=1.0)
 
 
+def test_pageable_buffers_are_checked_again_after_page_locking(monkeypatch) -> None:
+    # A machine whose available memory drops by more than what was page-locked (a sandbox counting it
+    # twice, say): the pageable part is refused before any of it is allocated, naming the cost.
+    from offload_ext.backends import native
+
+    readings = iter([1 << 50, 1 << 10])  # before page-locking: plenty; after: 1 kB
+    monkeypatch.setattr(native, "available_host_bytes", lambda: next(readings))
+    with pytest.raises(MemoryError, match=r"page-locking 0\.\d GB took .* GB of available memory, and the "
+                                          r"pinned memory is released again"):
+        offload_ext.Offloader(tiny_llama(layers=2), backend="native", device="cpu")
+
+
 def test_close_leaves_an_ordinary_module_with_the_trained_weights() -> None:
     model = tiny_llama(layers=2)
     losses, off = _train(model, "native", "bf16", steps=2)

@@ -65,10 +65,10 @@ def sq_sum(grad: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     return torch.stack([c.double().square_().sum() for c in grad.split(chunk)]).sum()
 
 
-def check_host_memory(pinned: int, pageable: int, second: int, precision: str) -> None:
-    """Refuse, before anything is allocated, host buffers this machine cannot hold (the alternative is the
-    kernel killing the process halfway through)."""
-    available = available_host_bytes()
+def check_host_memory(pinned: int, pageable: int, second: int, precision: str, available: int | None,
+                      pinning: str = "") -> None:
+    """Refuse, before anything is allocated (or, `pinning` saying so, before the pageable part is), host
+    buffers this machine cannot hold (the alternative is the kernel killing the process halfway through)."""
     if available is None or pinned + pageable <= available:
         return
     gb = 1e9
@@ -78,9 +78,10 @@ def check_host_memory(pinned: int, pageable: int, second: int, precision: str) -
     if precision == "mixed":
         fixes.append("precision='bf16' (bf16 moments, no fp32 master)")
     fixes.append("fewer trainable parameters (freeze some, or LoRA) or a smaller model")
+    done = pinning or "nothing was allocated"
     raise MemoryError(f"Offloader: the host buffers need {(pinned + pageable) / gb:.1f} GB ({pinned / gb:.1f} GB "
                       f"pinned, {pageable / gb:.1f} GB pageable) but this machine has {available / gb:.1f} GB "
-                      f"available; nothing was allocated. Options: {'; '.join(fixes)}")
+                      f"available; {done}. Options: {'; '.join(fixes)}")
 
 
 class NativeBackend(Backend):
@@ -145,16 +146,29 @@ class NativeBackend(Backend):
         if self._keep_grads:
             pinned += sum(2 * t + align for _, t in sizes)
         units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
-        self._fit_speculation(pinned, units)
-        check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision)
+        before = available_host_bytes()
+        self._fit_speculation(pinned, units, before)
+        check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision,
+                          before)
         self._engine.reserve_pinned(pinned)
+        # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
+        # pageable part is checked again against what is left, before any of it is allocated.
+        after = available_host_bytes()
+        if before is not None and after is not None:
+            cost = f"page-locking {pinned / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
+            self._fit_speculation(0, units, after)
+            try:
+                check_host_memory(0, self._pageable_bytes(units), self._second_buffer_bytes(units),
+                                  self.precision, after, pinning=f"{cost}, and the pinned memory is released again")
+            except MemoryError:
+                self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
+                raise
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def _fit_speculation(self, pinned: int, units: list[tuple[int, int]]) -> None:
-        """Speculate only as high up the stacks as host memory holds second buffers for: the lowest units
-        go first (they land last, so speculating on them gains least). None left: check_host_memory says
-        what would fit."""
-        available = available_host_bytes()
+    def _fit_speculation(self, pinned: int, units: list[tuple[int, int]], available: int | None) -> None:
+        """Speculate only as high up the stacks as `available` host memory holds second buffers for: the
+        lowest units go first (they land last, so speculating on them gains least). None left:
+        check_host_memory says what would fit."""
         spec = sorted(self._speculative_units)
         if available is None or not spec:
             return
