@@ -109,6 +109,43 @@ def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision: s
         assert torch.equal(a, b)
 
 
+def _speculative_unit(engine: Any, n: int) -> tuple[int, list[torch.Tensor]]:
+    """A bf16 unit with second buffers; its gradient lands in its accum (kept for a redo), as the backend's."""
+    g = torch.Generator().manual_seed(0)
+    param, m = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    v, grad = torch.rand(n, generator=g).bfloat16(), torch.zeros(n, dtype=torch.bfloat16)
+    alt = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(3)]
+    unit = engine.add_unit(param, grad, m, v, accum=grad, alt=alt)
+    engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    return unit, [param, grad, m, v, *alt]
+
+
+def test_a_redo_of_a_speculative_step_whose_copy_is_still_in_flight_goes_behind_it() -> None:
+    # The norm was taken on the device, so the copy queues the speculative step itself; wait_norms must
+    # cover the copy's landing, or the redo would be queued (and run) before the step it redoes.
+    n = 4096
+    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    results = []
+    for delay_us in (0, 20_000):
+        engine = _engine()
+        u, t = _speculative_unit(engine, n)
+        engine.set_debug_delay_us(delay_us)
+        if delay_us:  # in flight when the norm is decided
+            engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.SPECULATIVE_STEP)
+            engine.wait_norms()
+            engine.redo(u, 0.5)
+        else:  # reference: the clipped step itself
+            engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.NORM)
+            engine.wait_norms()  # the gradient has landed
+            engine.run(u, Job.SCALE_STEP, 0.5)
+        engine.release_speculation()
+        engine.wait_all()
+        live = (t[0], t[5], t[6]) if engine.swapped(u) else (t[0], t[2], t[3])
+        results.append([x.clone() for x in live])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> None:
     engine = _engine()
     engine.set_slice_elements(1024)

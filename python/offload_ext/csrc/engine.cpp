@@ -150,7 +150,9 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   if (notify_unit < 0) {
     return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
   }
-  PendingJob pending(*scheduler_, notify_unit, is_norm_job(job));
+  // A speculative step whose norm the device took counts as a norm until its copy lands: wait_norms then
+  // also means every speculative step is queued, so that a redo finds it (and goes behind it).
+  PendingJob pending(*scheduler_, notify_unit, is_norm_job(job) || job == Job::kSpeculativeStep);
   std::optional<PendingJob> pending_step;
   if (then_step) pending_step.emplace(*scheduler_, notify_unit);
   on_done = [sched = scheduler_, notify_unit, job, then_step, traced = std::move(on_done)] {

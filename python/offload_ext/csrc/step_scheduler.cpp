@@ -119,8 +119,10 @@ void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
     }
     queue_.push_back({id, hypers_, job, scale});
     if (then_step) queue_.push_back({id, hypers_, Job::kSpeculativeStep, 1.0f});
+    if (job == Job::kSpeculativeStep) --norms_pending_;  // its copy landed: see Engine::copy
   }
   work_cv_.notify_one();
+  if (job == Job::kSpeculativeStep) done_cv_.notify_all();  // wait_norms may be waiting for this landing
 }
 
 namespace {

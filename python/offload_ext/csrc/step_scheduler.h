@@ -99,7 +99,8 @@ class StepScheduler {
   void notify(int id, Job job = Job::kStep, float scale = 1.0f, bool then_step = false);
   // The last norm result of unit `id` (after waiting for it).
   double sq_norm(int id) const;
-  // Block until every queued norm (kNorm, kAccumulateNorm) is done; meanwhile norms go first. From then
+  // Block until every queued norm (kNorm, kAccumulateNorm) is done and every speculative step a copy
+  // announced has landed (its norm taken on the device); meanwhile norms go first. From then
   // on the norm is known and a speculative step started would be wasted or could be done in place: none
   // not yet started starts (unless a caller waits on its unit) until release_speculation() or wait_all().
   void wait_norms();
