@@ -123,8 +123,8 @@ for step in "${steps[@]}"; do
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
         resident,native-mixed-whole,native-mixed,native-mixed-d16,native-mixed-whole,native-mixed,native-mixed-d16,native-bf16-whole,native-bf16 ;;
     gap) run gap python3 benchmarks/bench_gap.py ;;
-    host-passes)  # each host pass alone per unit, as laid out in training: skews and state pools side by side
-      run host_passes python3 benchmarks/bench_host_passes.py --skew 0,576 --state-pool host,pinned ;;
+    host-passes)  # each host pass alone per unit, as laid out in training (the engine's own buffer starts)
+      run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
     sanitize) sanitize ;;  # compute-sanitizer over a few training steps (see sanitize() above)
