@@ -49,6 +49,19 @@ def test_successive_buffers_start_at_different_places_in_their_pages_without_ove
     after = engine.memory_stats()
     assert after["pinned_in_use"] == 0 and after["host_in_use"] == 0, (stats, after)
 
+def test_reserved_blocks_larger_than_a_slab_are_where_the_buffers_go() -> None:
+    # A layer larger than a slab (B2: 436 MB against 256 MB slabs) used to get a slab of its own beside
+    # the reserved ones, doubling the pinned memory.
+    engine = ops.Engine(-1, 1, False, 1 << 20)  # 1 MB slabs
+    big, small = 3 << 20, 300 << 10
+    engine.reserve_pinned_blocks([big + 8192] * 3 + [small + 8192] * 4)
+    before = engine.memory_stats()
+    bufs = [engine.pinned_empty(n // 2, torch.bfloat16) for n in (small, big, small, big, small, big, small)]
+    after = engine.memory_stats()
+    assert (after["pinned_reserved"], after["pinned_slabs"]) == (before["pinned_reserved"], before["pinned_slabs"])
+    assert after["pinned_in_use"] >= 3 * big + 4 * small and len(bufs) == 7
+
+
 def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
     engine = _engine()
     units = []

@@ -140,17 +140,14 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        align = 2 << 12  # per buffer: the rounding to a page, and its start past the page boundary
-        pinned = sum(2 * n + align for n, _ in sizes) + self._grad_slots * (2 * largest + align)
-        pinned += sum(2 * (n + t) + 2 * align for n, t in own_grads)
-        if self._keep_grads:
-            pinned += sum(2 * t + align for _, t in sizes)
+        blocks = self._pinned_blocks(sizes, own_grads, largest)
+        pinned = sum(blocks)
         units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
         before = available_host_bytes()
         self._fit_speculation(pinned, units, before)
         check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision,
                           before)
-        self._engine.reserve_pinned(pinned)
+        self._engine.reserve_pinned_blocks(blocks)
         # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
         # pageable part is checked again against what is left, before any of it is allocated.
         after = available_host_bytes()
@@ -164,6 +161,18 @@ class NativeBackend(Backend):
                 self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
                 raise
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+
+    def _pinned_blocks(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> list[int]:
+        """Bytes of each pinned buffer prepare() and new_layer() will take, in that order: the gradient
+        ring's slots, then per unit its params and (a gradient of its own, or kept) its gradient. Each
+        with room for the rounding to a page and its start past the page boundary."""
+        align = 2 << 12
+        blocks = [2 * largest + align] * self._grad_slots
+        for n, t in sizes:
+            blocks += [2 * n + align] + ([2 * t + align] if self._keep_grads else [])
+        for n, t in own_grads:
+            blocks += [2 * n + align, 2 * t + align]
+        return blocks
 
     def _fit_speculation(self, pinned: int, units: list[tuple[int, int]], available: int | None) -> None:
         """Speculate only as high up the stacks as `available` host memory holds second buffers for: the

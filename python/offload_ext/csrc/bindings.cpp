@@ -135,6 +135,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("host_empty", &Engine::host_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_zeros", &Engine::host_zeros, py::arg("numel"), py::arg("dtype"))
       .def("reserve_pinned", &Engine::reserve_pinned, py::arg("bytes"), Release())
+      .def("reserve_pinned_blocks", &Engine::reserve_pinned_blocks, py::arg("blocks"), Release(),
+           "Page-lock slabs that hold exactly these blocks (bytes each), to be taken by pinned_empty.")
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
            py::arg("job") = Job::kStep, py::arg("trace_unit") = -1, py::arg("then_step") = false,

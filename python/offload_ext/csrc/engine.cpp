@@ -107,6 +107,15 @@ at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
 
 void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
 
+void Engine::reserve_pinned_blocks(const std::vector<int64_t>& blocks) {
+  std::vector<size_t> sizes;
+  for (int64_t b : blocks) {
+    TORCH_CHECK(b >= 0, "Engine.reserve_pinned_blocks: expected block sizes >= 0, got ", num(b));
+    sizes.push_back(static_cast<size_t>(b));
+  }
+  pinned_->reserve_blocks(sizes);
+}
+
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
                                     Job job, int trace_unit, bool then_step) {
   // The enums come from Python, where an enum can still be built from any int.

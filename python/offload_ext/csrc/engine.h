@@ -31,6 +31,7 @@ class Engine {
   at::Tensor host_empty(int64_t numel, at::ScalarType dtype);
   at::Tensor host_zeros(int64_t numel, at::ScalarType dtype);
   void reserve_pinned(int64_t bytes);
+  void reserve_pinned_blocks(const std::vector<int64_t>& blocks);
   PinnedStats pinned_stats() const { return pinned_->stats(); }
   PinnedStats host_stats() const { return host_->stats(); }
 

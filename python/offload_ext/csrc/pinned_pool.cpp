@@ -121,6 +121,22 @@ void PinnedPool::reserve(size_t bytes) {
   add_slabs(sizes);
 }
 
+void PinnedPool::reserve_blocks(const std::vector<size_t>& blocks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<size_t> sizes;
+  size_t current = 0;
+  for (size_t b : blocks) {
+    const size_t need = round_up(std::max<size_t>(b, 1), kAlign);
+    if (current > 0 && current + need > slab_bytes_) {
+      sizes.push_back(current);
+      current = 0;
+    }
+    current += need;
+  }
+  if (current > 0) sizes.push_back(current);
+  add_slabs(sizes);
+}
+
 std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero, size_t offset) {
   if (offset % 64 != 0 || offset >= kAlign) {
     throw std::invalid_argument("PinnedPool: expected an offset that is a multiple of 64 below 4096, got " +
@@ -128,10 +144,18 @@ std::shared_ptr<void> PinnedPool::allocate(size_t bytes, bool zero, size_t offse
   }
   const size_t need = round_up(std::max<size_t>(bytes, 1) + offset, kAlign);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = std::find_if(free_.begin(), free_.end(), [&](const auto& kv) { return kv.second >= need; });
+  // Best fit: slabs reserved to hold given blocks are filled as planned, whatever their address order.
+  auto best_fit = [&] {
+    auto best = free_.end();
+    for (auto i = free_.begin(); i != free_.end(); ++i) {
+      if (i->second >= need && (best == free_.end() || i->second < best->second)) best = i;
+    }
+    return best;
+  };
+  auto it = best_fit();
   if (it == free_.end()) {
     add_slabs({std::max(need, slab_bytes_)});
-    it = std::find_if(free_.begin(), free_.end(), [&](const auto& kv) { return kv.second >= need; });
+    it = best_fit();
   }
   char* ptr = it->first;
   const size_t rest = it->second - need;
