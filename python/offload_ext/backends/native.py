@@ -140,9 +140,14 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        blocks = self._pinned_blocks(sizes, own_grads, largest)
+        self._reserve(self._pinned_blocks(sizes, own_grads, largest), [*sizes, *own_grads])
+        self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+
+    def _reserve(self, blocks: list[int], units: list[tuple[int, int]]) -> None:
+        """Check host memory for the plan (speculating as high up as it fits), page-lock the pinned blocks,
+        then check the pageable part against what is left. `units`: (numel, trainable) in unit order, the
+        stacks' layers, then the part outside them."""
         pinned = sum(blocks)
-        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
         before = available_host_bytes()
         self._fit_speculation(pinned, units, before)
         check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision,
@@ -160,7 +165,6 @@ class NativeBackend(Backend):
             except MemoryError:
                 self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
                 raise
-        self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
     def _pinned_blocks(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> list[int]:
         """Bytes of each pinned buffer prepare() and new_layer() will take, in that order: the gradient
