@@ -44,8 +44,7 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gb"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        info["mem_total_gb"] = round(_proc_kb("/proc/meminfo", "MemTotal") / 2**20, 1)
     except OSError:
         pass
     return info
@@ -132,20 +131,21 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: st
     return paths
 
 
-def _meminfo_gb(key: str) -> float:
-    with open("/proc/meminfo") as f:
+def _proc_kb(path: str, key: str) -> float:
+    """A "Key: N kB" field of a /proc file (nan when absent)."""
+    with open(path) as f:
         for line in f:
             if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024 / 1e9  # kB
+                return float(line.split()[1])
     return float("nan")
+
+
+def _meminfo_gb(key: str) -> float:
+    return _proc_kb("/proc/meminfo", key) * 1024 / 1e9
 
 
 def _rss_gb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e9  # kB
-    return float("nan")
+    return _proc_kb("/proc/self/status", "VmRSS") * 1024 / 1e9
 
 
 class HostMemoryLog:

@@ -67,7 +67,7 @@ class Units:
 
         pinned_states = state_pool == "pinned"
         per_unit = 2 + (4 if pinned_states else 0)
-        self.engine.reserve_pinned(units * per_unit * (2 * (numel + pad) + 8192))
+        self.engine.reserve_pinned_blocks([2 * (numel + pad) + 8192] * (units * per_unit))  # as the backend
 
         def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
             return self.engine.pinned_empty(n, dtype).zero_() if pinned_states else self.engine.host_zeros(n, dtype)

@@ -33,7 +33,7 @@ class StepPolicy:
     @property
     def accumulates(self) -> bool:
         """Whether units sum their gradients in host accumulators rather than stepping straight from them."""
-        return (self.grad_accum > 1 and not self.sums_on_device) or self.max_grad_norm is not None
+        return self.host_grad_accum > 1 or self.max_grad_norm is not None
 
     @property
     def host_grad_accum(self) -> int:

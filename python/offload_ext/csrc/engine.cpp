@@ -37,12 +37,10 @@ int checked_threads(int num_threads) {
 // Threads for one-off set-up work (making and page-locking slabs): every CPU; training has not started.
 int setup_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
 
-bool is_norm_job(Job job) { return job == Job::kNorm || job == Job::kAccumulateNorm; }
-
 // kSpeculativeStep: the unit's norm was taken on the device, before the copy.
 bool is_copy_job(Job job) {
   return job == Job::kStep || job == Job::kAccumulateFirst || job == Job::kAccumulate || job == Job::kAccumulateStep ||
-         job == Job::kSpeculativeStep || is_norm_job(job);
+         job == Job::kSpeculativeStep || carries_norm(job);
 }
 
 // A job announced to the scheduler while it is being enqueued, taken back unless commit() is reached.
@@ -124,7 +122,7 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   TORCH_CHECK(is_copy_job(job), "Engine.copy: expected a job a landed gradient triggers (Job.STEP, "
               "ACCUMULATE_FIRST, ACCUMULATE, ACCUMULATE_STEP, NORM, ACCUMULATE_NORM or SPECULATIVE_STEP), got ",
               num(static_cast<int64_t>(job)), "; SCALE_STEP and REDO are queued by the engine");
-  TORCH_CHECK(!then_step || is_norm_job(job), "Engine.copy: then_step (a SPECULATIVE_STEP behind the norm) goes "
+  TORCH_CHECK(!then_step || carries_norm(job), "Engine.copy: then_step (a SPECULATIVE_STEP behind the norm) goes "
               "with Job.NORM or Job.ACCUMULATE_NORM only");
   TORCH_CHECK(notify_unit >= 0 || job == Job::kStep, "Engine.copy: a job is only queued for a notify_unit; "
               "pass notify_unit= the unit whose gradients this copy brings");
@@ -161,7 +159,7 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   }
   // A speculative step whose norm the device took counts as a norm until its copy lands: wait_norms then
   // also means every speculative step is queued, so that a redo finds it (and goes behind it).
-  PendingJob pending(*scheduler_, notify_unit, is_norm_job(job) || job == Job::kSpeculativeStep);
+  PendingJob pending(*scheduler_, notify_unit, carries_norm(job) || job == Job::kSpeculativeStep);
   std::optional<PendingJob> pending_step;
   if (then_step) pending_step.emplace(*scheduler_, notify_unit);
   on_done = [sched = scheduler_, notify_unit, job, then_step, traced = std::move(on_done)] {

@@ -74,8 +74,9 @@ const char* job_name(Job job) {
   return "?";
 }
 
-namespace {
 bool carries_norm(Job job) { return job == Job::kNorm || job == Job::kAccumulateNorm; }
+
+namespace {
 bool speculative(Job job) { return job == Job::kSpeculativeStep || job == Job::kRedo; }
 }  // namespace
 

@@ -67,6 +67,8 @@ enum class Job {
 
 // A job's name on the timeline.
 const char* job_name(Job job);
+// Whether the job computes a norm (kNorm, kAccumulateNorm): wait_norms() covers it until it is done.
+bool carries_norm(Job job);
 
 struct SchedulerStats {
   double busy_seconds = 0;   // wall time spent stepping, summed over units
