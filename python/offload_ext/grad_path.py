@@ -43,18 +43,22 @@ class GradPath:
         self.part = part
         self.host = host
         self.backend = backend
-        largest = max(1, max(u.trainable_numel for u in part.units))
-        self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
-        self.drained: list[Any] = [None] * buffers                  # per buffer: its last copy to the host
+        # Position i gathers into buffer i % len(buffers): a ring shared by the units, or with accumulation
+        # on the device one buffer per unit, holding the sum over its step's micro-batches.
+        self.summing = sum_on_device
+        if sum_on_device:
+            self.buffers = [backend.device_buffer(u.trainable_numel) for u in part.units]
+        else:
+            largest = max(1, max(u.trainable_numel for u in part.units))
+            self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
+        self.drained: list[Any] = [None] * len(self.buffers)       # per buffer: its last copy to the host
         self.received: list[set[int]] = [set() for _ in part.units]  # per position: offsets landed this backward
-        # Accumulation on the device: per position, the sum over this step's micro-batches and its last copy.
-        self.sums = [backend.device_buffer(u.trainable_numel) for u in part.units] if sum_on_device else None
-        self.sums_drained: list[Any] = [None] * len(part.units)
-        self.first_micro, self.last_micro = True, True
+        self.first_micro, self.last_micro = True, True  # without summing: every backward copies in and sends
 
     def begin_micro(self, first: bool, last: bool) -> None:
-        """The coming backward is the first and/or the last micro-batch of its step."""
-        self.first_micro, self.last_micro = first, last
+        """The coming backward is the first and/or the last micro-batch of its step (matters when summing)."""
+        if self.summing:
+            self.first_micro, self.last_micro = first, last
 
     def hook(self) -> list[Any]:
         """Register the gradient hooks; returns their handles."""
@@ -66,32 +70,19 @@ class GradPath:
         return handles
 
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
-        if self.sums is not None:
-            return self._on_grad_summed(i, s, p)
         unit = self.part.units[i]
         b = i % len(self.buffers)
-        if not self.received[i] and self.drained[b] is not None:
+        if self.first_micro and not self.received[i] and self.drained[b] is not None:
             self.backend.compute_wait(self.drained[b])  # the buffer's last copy to the host has landed
-        self.buffers[b][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
-        p.grad = None
-        self.received[i].add(s.offset)
-        if len(self.received[i]) == unit.trainable:
-            self.received[i].clear()
-            src = self.buffers[b][: unit.trainable_numel]
-            self.drained[b] = self.backend.flush_grads(unit.index, self.host[i], src)
-
-    def _on_grad_summed(self, i: int, s: Span, p: nn.Parameter) -> None:
-        unit, total = self.part.units[i], self.sums[i]
-        if self.first_micro and not self.received[i] and self.sums_drained[i] is not None:
-            self.backend.compute_wait(self.sums_drained[i])  # last step's copy of this sum has landed
-        view, grad = total[s.offset:s.offset + s.numel], p.grad.reshape(-1)
+        view, grad = self.buffers[b][s.offset:s.offset + s.numel], p.grad.reshape(-1)
         view.copy_(grad) if self.first_micro else view.add_(grad)
         p.grad = None
         self.received[i].add(s.offset)
         if len(self.received[i]) == unit.trainable:
             self.received[i].clear()
             if self.last_micro:
-                self.sums_drained[i] = self.backend.flush_grads(unit.index, self.host[i], total)
+                src = self.buffers[b][: unit.trainable_numel]
+                self.drained[b] = self.backend.flush_grads(unit.index, self.host[i], src)
 
     def check_complete(self, name_of: Callable[[nn.Parameter], str]) -> None:
         """Raise if a unit got only some of its gradients in the last backward (and forget them)."""
