@@ -66,7 +66,7 @@ class Units:
             return alloc(numel + pad, torch.bfloat16)[off:off + numel]
 
         pinned_states = state_pool == "pinned"
-        per_unit = 2 + (4 if pinned_states else 0)
+        per_unit = 3 + (5 if pinned_states else 0)  # params, grads, second params (+ states, accum)
         self.engine.reserve_pinned_blocks([2 * (numel + pad) + 8192] * (units * per_unit))  # as the backend
 
         def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +84,9 @@ class Units:
             grads = buf(self.engine.pinned_empty)
             m, v = buf(zeros), buf(zeros)
             accum = buf(empty) if accumulate else (grads if speculative else None)
-            alt = [buf(zeros) for _ in range(3)] if speculative else []
+            # Second buffers as the backend lays them out: params page-locked (a forward copies from them once
+            # swapped), the moments with the states.
+            alt = [buf(self.engine.pinned_empty), buf(zeros), buf(zeros)] if speculative else []
             self.engine.add_unit(params, grads, m, v, accum=accum, alt=alt)
             self.grads.append(grads)
 

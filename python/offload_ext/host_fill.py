@@ -17,4 +17,5 @@ def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: boo
         if host.master is not None and k < unit.trainable:
             host.master[s.offset:s.offset + s.numel].copy_(src)
         s.param.data = torch.empty(0, dtype=torch.bfloat16, device=device)
+    host.mirror_frozen()
     return host

@@ -30,6 +30,7 @@ def load_host_state(host: list[LayerBuffers], saved_units: list[dict[str, Any]])
                 raise ValueError(f"Offloader: saved {key} of shape {tuple(saved[key].shape)} does not fit "
                                  f"{tuple(dst.shape)}: was the state made for another model?")
             dst.copy_(saved[key])
+        b.mirror_frozen()
 
 
 def span_names(model: nn.Module, layout: Layout) -> list[list[str]]:

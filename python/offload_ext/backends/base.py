@@ -30,9 +30,10 @@ class LayerBuffers:
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
     accum: torch.Tensor | None = None  # bf16 gradient sum over micro-batches (accumulation or clipping)
-    # Speculative clipping (native): second buffers like (param or master, exp_avg, exp_avg_sq). A speculative
-    # step writes the new state there and they swap roles; the old state stays for a redo ("bf16" steps params
-    # in place and saves their old values in alt[0]). The engine holds raw pointers: these keep them alive.
+    # Speculative clipping (native): second buffers like (params or master, exp_avg, exp_avg_sq). A speculative
+    # step writes the new state there and they swap roles; the old state stays for a redo. In "bf16" the
+    # first is a whole second params buffer, page-locked, that the next forward copies from once swapped;
+    # its frozen tail mirrors params' (mirror_frozen). The engine holds raw pointers: these keep them alive.
     alt: tuple[torch.Tensor, ...] = ()
     swapped: bool = False  # the fields below point at what was allocated as alt
 
@@ -43,12 +44,20 @@ class LayerBuffers:
     def swap_state(self) -> None:
         """A speculative step left the live state in the second buffers: swap the fields' roles."""
         param, exp_avg, exp_avg_sq = self.alt
-        if self.master is not None:  # mixed: the master moved too
+        if self.master is not None:  # mixed: the master moved
             self.master, param = param, self.master
+        else:
+            self.params, param = param, self.params
         self.exp_avg, exp_avg = exp_avg, self.exp_avg
         self.exp_avg_sq, exp_avg_sq = exp_avg_sq, self.exp_avg_sq
         self.alt = (param, exp_avg, exp_avg_sq)
         self.swapped = not self.swapped
+
+    def mirror_frozen(self) -> None:
+        """After params were written: the second params buffer ("bf16" speculation) gets the frozen tail
+        too, which no step writes, so that a forward copying from either buffer sees the same weights."""
+        if self.alt and self.master is None and self.trainable < self.params.numel():
+            self.alt[0][self.trainable:].copy_(self.params[self.trainable:])
 
 
 class Backend(ABC):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,25 +141,30 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        self._reserve(self._pinned_blocks(sizes, own_grads, largest), [*sizes, *own_grads])
+        self._reserve(sizes, list(own_grads), largest)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def _reserve(self, blocks: list[int], units: list[tuple[int, int]]) -> None:
+    def _reserve(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> None:
         """Check host memory for the plan (speculating as high up as it fits), page-lock the pinned blocks,
-        then check the pageable part against what is left. `units`: (numel, trainable) in unit order, the
-        stacks' layers, then the part outside them."""
-        pinned = sum(blocks)
+        then check the pageable part against what is left."""
+        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
+
+        def pinned() -> int:
+            return sum(self._pinned_blocks(sizes, own_grads, largest))
+
         before = available_host_bytes()
         self._fit_speculation(pinned, units, before)
-        check_host_memory(pinned, self._pageable_bytes(units), self._second_buffer_bytes(units), self.precision,
-                          before)
+        blocks = self._pinned_blocks(sizes, own_grads, largest)
+        check_host_memory(sum(blocks), self._pageable_bytes(units), self._second_buffer_bytes(units),
+                          self.precision, before)
         self._engine.reserve_pinned_blocks(blocks)
         # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
-        # pageable part is checked again against what is left, before any of it is allocated.
+        # pageable part is checked again against what is left, before any of it is allocated. (A unit
+        # trimmed here leaves its page-locked second params unused: they are reserved already.)
         after = available_host_bytes()
         if before is not None and after is not None:
-            cost = f"page-locking {pinned / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
-            self._fit_speculation(0, units, after)
+            cost = f"page-locking {sum(blocks) / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
+            self._fit_speculation(lambda: 0, units, after)
             try:
                 check_host_memory(0, self._pageable_bytes(units), self._second_buffer_bytes(units),
                                   self.precision, after, pinning=f"{cost}, and the pinned memory is released again")
@@ -168,25 +174,31 @@ class NativeBackend(Backend):
 
     def _pinned_blocks(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> list[int]:
         """Bytes of each pinned buffer prepare() and new_layer() will take, in that order: the gradient
-        ring's slots, then per unit its params and (a gradient of its own, or kept) its gradient. Each
-        with room for the rounding to a page and its start past the page boundary."""
+        ring's slots, then per unit its params, (a gradient of its own, or kept) its gradient and ("bf16"
+        speculation) its second params. Each with room for the rounding to a page and its start past the
+        page boundary."""
         align = 2 << 12
         blocks = [2 * largest + align] * self._grad_slots
-        for n, t in sizes:
-            blocks += [2 * n + align] + ([2 * t + align] if self._keep_grads else [])
+        for i, (n, t) in enumerate(sizes):
+            blocks.append(2 * n + align)
+            if self._keep_grads:
+                blocks.append(2 * t + align)
+            if self._pinned_second() and i in self._speculative_units:
+                blocks.append(2 * n + align)
         for n, t in own_grads:
             blocks += [2 * n + align, 2 * t + align]
         return blocks
 
-    def _fit_speculation(self, pinned: int, units: list[tuple[int, int]], available: int | None) -> None:
-        """Speculate only as high up the stacks as `available` host memory holds second buffers for: the
-        lowest units go first (they land last, so speculating on them gains least). None left:
-        check_host_memory says what would fit."""
+    def _fit_speculation(self, pinned: Callable[[], int], units: list[tuple[int, int]],
+                         available: int | None) -> None:
+        """Speculate only as high up the stacks as `available` host memory holds second buffers for
+        (`pinned`: the page-locked bytes the plan takes as it stands): the lowest units go first (they land
+        last, so speculating on them gains least). None left: check_host_memory says what would fit."""
         spec = sorted(self._speculative_units)
         if available is None or not spec:
             return
         dropped = []
-        while spec and pinned + self._pageable_bytes(units) > available:
+        while spec and pinned() + self._pageable_bytes(units) > available:
             dropped.append(spec.pop(0))
             self._speculative_units = frozenset(spec)
         if dropped and spec:
@@ -201,16 +213,31 @@ class NativeBackend(Backend):
     def _state_bytes(self) -> int:
         return 4 if self.precision == "mixed" else 2
 
-    def _second_buffer_bytes(self, sizes: list[tuple[int, int]]) -> int:
-        """Host bytes of speculative clipping's second buffers (param or master, both moments)."""
-        return 3 * self._state_bytes() * sum(t for i, (_, t) in enumerate(sizes) if i in self._speculative_units)
+    def _pinned_second(self) -> bool:
+        """Whether the first second buffer is page-locked: "bf16" copies params from it once swapped."""
+        return self.precision != "mixed"
+
+    def _second_buffer_bytes(self, sizes: list[tuple[int, int]], pinned: bool | None = None) -> int:
+        """Host bytes of speculative clipping's second buffers (whole params or the master, both moments);
+        pinned=True/False: the page-locked or the pageable part alone."""
+        total = 0
+        for i, (n, t) in enumerate(sizes):
+            if i not in self._speculative_units:
+                continue
+            first = 2 * n if self._pinned_second() else 4 * t
+            moments = 2 * self._state_bytes() * t
+            if pinned is None or pinned == self._pinned_second():
+                total += first
+            if pinned is not True:
+                total += moments
+        return total
 
     def _pageable_bytes(self, sizes: list[tuple[int, int]]) -> int:
         """Host bytes of the unpinned buffers new_layer will allocate for these units."""
         per = 2 * self._state_bytes() + (4 if self.precision == "mixed" else 0)  # moments, fp32 master
         per += 2 if self.accumulate and not self._keep_grads else 0                # the bf16 accumulator
         trainable = sum(t for _, t in sizes)
-        return per * trainable + self._second_buffer_bytes(sizes)
+        return per * trainable + self._second_buffer_bytes(sizes, pinned=False)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
@@ -228,12 +255,14 @@ class NativeBackend(Backend):
         accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
         # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
-        alt = (tuple(e.host_zeros(trainable, t.dtype) for t in (stepped, exp_avg, exp_avg_sq))
-               if self._count in self._speculative_units else ())
+        alt: tuple[torch.Tensor, ...] = ()
+        if self._count in self._speculative_units:
+            first = e.host_zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
+            alt = (first, e.host_zeros(trainable, state_dtype), e.host_zeros(trainable, state_dtype))
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
-                          alt=list(alt))
+                          alt=[alt[0][:trainable], *alt[1:]] if alt else [])
         if unit != self._count:
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1
@@ -243,6 +272,7 @@ class NativeBackend(Backend):
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
         # Its step writes the params we copy (the wait releases the GIL).
         self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device")
+        self._follow_swap(index, layer)  # "bf16": a speculative step left the params in the other buffer
         return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index)
 
     def ready(self, index: int) -> bool:
@@ -348,8 +378,11 @@ class NativeBackend(Backend):
     def _follow_swaps(self) -> None:
         """Point each layer's state fields at the buffers its speculative steps left live."""
         for i, layer in enumerate(self._layers):
-            if layer.alt and self._engine.swapped(i) != layer.swapped:
-                layer.swap_state()
+            self._follow_swap(i, layer)
+
+    def _follow_swap(self, index: int, layer: LayerBuffers) -> None:
+        if layer.alt and self._engine.swapped(index) != layer.swapped:
+            layer.swap_state()
 
     def wait_seconds(self) -> float:
         return self._engine.stats()["wait_seconds"]

@@ -153,7 +153,7 @@ T* at(T* p, int64_t i) {
 }
 
 Bf16Pass offset(const Bf16Pass& a, int64_t i) {
-  return {a.param_in + i, a.param + i, at(a.param_save, i), a.grad + i, at(a.grad_add, i),
+  return {a.param_in + i, a.param + i, a.grad + i, at(a.grad_add, i),
           a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i, a.grad_scale};
 }
 
@@ -174,7 +174,7 @@ void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool
 
 void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq, int64_t n,
                 const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
-  adamw_bf16(Bf16Pass{param, param, nullptr, grad, nullptr, exp_avg, exp_avg, exp_avg_sq, exp_avg_sq}, n, h, pool,
+  adamw_bf16(Bf16Pass{param, param, grad, nullptr, exp_avg, exp_avg, exp_avg_sq, exp_avg_sq}, n, h, pool,
              level);
 }
 

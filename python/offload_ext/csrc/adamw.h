@@ -66,7 +66,6 @@ enum class GradType { kBF16, kFP32 };
 struct Bf16Pass {
   const uint16_t* param_in;
   uint16_t* param;             // the stepped param (bf16 mode: also what the next forward copies)
-  uint16_t* param_save;        // optional: param_in's values before the pass
   const uint16_t* grad;
   const uint16_t* grad_add;
   const uint16_t* exp_avg_in;

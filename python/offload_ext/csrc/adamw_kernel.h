@@ -80,10 +80,9 @@ inline void put_f32(float* p, typename V::F x) {
   kStream ? V::stream_f32(p, x) : V::store_f32(p, x);
 }
 
-template <class V, int kGrad, bool kSave, bool kStream>
+template <class V, int kGrad, bool kStream>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
-  const bool param_moves = a.param != a.param_in;
   for (; i + V::W <= n; i += V::W) {
     if (pf) {
       V::prefetch(a.param_in + i + pf);
@@ -95,13 +94,8 @@ inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoe
     auto P = V::load_bf16(a.param_in + i);
     auto M = V::load_bf16(a.exp_avg_in + i);
     auto S = V::load_bf16(a.exp_avg_sq_in + i);
-    if (kSave) put_bf16<V, kStream>(a.param_save + i, P);  // exact: P came from bf16
     adamw_update<V>(P, load_grad_bf16<V, kGrad>(a.grad, a.grad_add, a.grad_scale, i), M, S, c);
-    if (kStream && param_moves) {
-      V::stream_bf16(a.param + i, P);
-    } else {
-      V::store_bf16(a.param + i, P);
-    }
+    put_bf16<V, kStream>(a.param + i, P);
     put_bf16<V, kStream>(a.exp_avg + i, M);
     put_bf16<V, kStream>(a.exp_avg_sq + i, S);
   }
@@ -153,32 +147,23 @@ inline int64_t head_elements(const void* p, size_t elem, size_t align, int64_t n
 
 inline bool aligned(const void* p, size_t align) { return reinterpret_cast<uintptr_t>(p) % align == 0; }
 
-template <class V, int kGrad, bool kSave>
-inline void bf16_span_grad(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  // Out of place (the moments go to other buffers), streamed once the stores are vector-aligned.
-  constexpr size_t kA = V::W * sizeof(uint16_t);
-  const bool out_of_place = a.exp_avg != a.exp_avg_in;
-  const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(uint16_t), kA, n) : 0;
-  const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
-                      (!kSave || aligned(a.param_save + h, kA)) &&
-                      (a.param == a.param_in || aligned(a.param + h, kA));
-  if (!stream) {
-    const int64_t i = bf16_loop<V, kGrad, kSave, false>(a, 0, n, c);
-    bf16_loop<ScalarVec, kGrad, kSave, false>(a, i, n, c);
-    return;
-  }
-  bf16_loop<ScalarVec, kGrad, kSave, false>(a, 0, h, c);
-  const int64_t i = bf16_loop<V, kGrad, kSave, true>(a, h, n, c);
-  bf16_loop<ScalarVec, kGrad, kSave, false>(a, i, n, c);
-}
-
 template <class V, int kGrad>
 inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  if (a.param_save != nullptr) {
-    bf16_span_grad<V, kGrad, true>(a, n, c);
-  } else {
-    bf16_span_grad<V, kGrad, false>(a, n, c);
+  // Out of place (every output in a buffer other than its input), streamed once the stores are
+  // vector-aligned.
+  constexpr size_t kA = V::W * sizeof(uint16_t);
+  const bool out_of_place = a.exp_avg != a.exp_avg_in && a.param != a.param_in;
+  const int64_t h = out_of_place ? head_elements(a.exp_avg, sizeof(uint16_t), kA, n) : 0;
+  const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
+                      aligned(a.param + h, kA);
+  if (!stream) {
+    const int64_t i = bf16_loop<V, kGrad, false>(a, 0, n, c);
+    bf16_loop<ScalarVec, kGrad, false>(a, i, n, c);
+    return;
   }
+  bf16_loop<ScalarVec, kGrad, false>(a, 0, h, c);
+  const int64_t i = bf16_loop<V, kGrad, true>(a, h, n, c);
+  bf16_loop<ScalarVec, kGrad, false>(a, i, n, c);
 }
 
 template <class V>

@@ -166,7 +166,7 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
 // Where a step reads its state and writes the result (see StepUnit's second buffers).
 enum class Flow {
   kInPlace,
-  kToAlt,    // speculative: from the live state into the second buffers (bf16: param in place, saved)
+  kToAlt,    // speculative: from the live state into the second buffers
   kFromAlt,  // redo, after the swap: from the state before the speculative step into the live one
 };
 
@@ -179,15 +179,15 @@ void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, fl
   const void* v_in = from ? u.alt_exp_avg_sq : u.exp_avg_sq;
   const void* p_in = from ? u.alt_param : u.param;
   const SimdLevel level = active_simd_level();
+  void* p_out = to ? u.alt_param : u.param;
   if (u.bf16_mode) {
-    auto* p = static_cast<uint16_t*>(u.param);
-    adamw_bf16(Bf16Pass{static_cast<const uint16_t*>(p_in), p, to ? static_cast<uint16_t*>(u.alt_param) : nullptr,
+    adamw_bf16(Bf16Pass{static_cast<const uint16_t*>(p_in), static_cast<uint16_t*>(p_out),
                         static_cast<const uint16_t*>(grad), grad_add, static_cast<const uint16_t*>(m_in),
                         static_cast<uint16_t*>(m_out), static_cast<const uint16_t*>(v_in),
                         static_cast<uint16_t*>(v_out), scale},
                u.numel, h, pool, level);
   } else {
-    adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(to ? u.alt_param : u.param), grad,
+    adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(p_out), grad,
                         u.grad_type, grad_add, static_cast<const float*>(m_in), static_cast<float*>(m_out),
                         static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out, scale},
                u.numel, h, pool, level);
@@ -198,7 +198,7 @@ void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, fl
 void swap_state(StepUnit& u) {
   std::swap(u.exp_avg, u.alt_exp_avg);
   std::swap(u.exp_avg_sq, u.alt_exp_avg_sq);
-  if (!u.bf16_mode) std::swap(u.param, u.alt_param);  // bf16: the param stays (stepped in place)
+  std::swap(u.param, u.alt_param);  // bf16: the next forward copies from the other buffer (the caller follows)
 }
 
 }  // namespace
