@@ -3,7 +3,7 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
-# RECIPE_EXTRA: more modes for train-recipes (e.g. deepspeed-bf16-clip); B2_MODES, B2_DS_MODES: train-b2's and
+# RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip); B2_MODES, B2_DS_MODES: train-b2's and
 # train-b2-ds's modes (train-b2 samples host memory into $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's
 # modes, TRACE_GPU=1: with the profiler's GPU streams merged in.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
@@ -101,12 +101,16 @@ for step in "${steps[@]}"; do
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train)  # TRAIN_MODES: a shorter list when device time is short
       run train python3 benchmarks/bench_train.py --modes "${TRAIN_MODES:-resident,python-bf16,native-bf16,native-mixed,native-mixed-d16}" ;;
-    train-recipes)  # issue 11's recipes, each beside its GPU-resident peer
+    train-recipes)  # issue 11's recipes, each beside its GPU-resident peer (RECIPE_MODES: another list)
+      recipes=resident,native-bf16,native-mixed,resident-clip,native-bf16-clip,resident-clipall,native-bf16-clipall
+      recipes+=,native-mixed-clipall,resident-accum2,native-bf16-accum2,native-bf16-hostsum-accum2,native-bf16-d16-accum2
+      recipes+=,resident-accum4,native-bf16-accum4,native-bf16-d16-accum4,native-bf16-r4,native-bf16-r4-clip
+      recipes+=,native-bf16-r4-clipall,native-mixed-r4-clipall
       run train_recipes python3 benchmarks/bench_train.py --stem train_b1_recipes --modes \
-        resident,native-bf16,native-mixed,resident-clip,native-bf16-clip,resident-clipall,native-bf16-clipall,native-mixed-clipall,resident-accum2,native-bf16-accum2,native-bf16-hostsum-accum2,native-bf16-d16-accum2,resident-accum4,native-bf16-accum4,native-bf16-d16-accum4,native-bf16-r4,native-bf16-r4-clip,native-bf16-r4-clipall,native-mixed-r4-clipall${RECIPE_EXTRA:+,$RECIPE_EXTRA} ;;
+        "${RECIPE_MODES:-$recipes}${RECIPE_EXTRA:+,$RECIPE_EXTRA}" ;;
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
-        --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16-clip,native-bf16-clipall}" ;;
+        --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16,native-bf16-clip,native-bf16-clipall}" ;;
     train-b2-ds)  # DeepSpeed's ZeRO-3 offload on the same B2 recipe, in a process of its own (its host peak is high)
       run train_b2_ds python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
