@@ -3,9 +3,10 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
-# RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip); B2_MODES, B2_DS_MODES: train-b2's and
-# train-b2-ds's modes (train-b2 samples host memory into $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's
-# modes, TRACE_GPU=1: with the profiler's GPU streams merged in.
+# RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
+# B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
+# $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes, TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
+# cap; TRACE_GPU=1: with the profiler's GPU streams merged in.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)
 # Run every benchmark of a device call through its steps: the archive of $OUT is made at the end, and
@@ -116,11 +117,14 @@ for step in "${steps[@]}"; do
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
     timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
       modes=${TIMELINE_MODES:-native-bf16,native-bf16-clipall,native-bf16-accum2}
-      run timeline python3 benchmarks/bench_train.py --stem train_b1_timeline --steps 4 --warmup 2 \
-        --modes "$modes" --trace "$OUT/timelines" ${TRACE_GPU:+--trace-gpu}
+      shape=${TIMELINE_PRESET:-b1}
+      preset=()
+      [ "$shape" = b1 ] || preset=(--preset "$shape" --gpu-cap-gb 24)
+      run timeline python3 benchmarks/bench_train.py --stem "train_${shape}_timeline" --steps 4 --warmup 2 \
+        "${preset[@]}" --modes "$modes" --trace "$OUT/timelines_$shape" ${TRACE_GPU:+--trace-gpu}
       for m in ${modes//,/ }; do
-        run "plot_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines/timeline_$m.json" "$OUT/timeline_b1_$m.png" \
-          --title "B1 $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+        run "plot_${shape}_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines_$shape/timeline_$m.json" \
+          "$OUT/timeline_${shape}_$m.png" --title "${shape^^} $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
       done ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
