@@ -1,6 +1,9 @@
 """torch.library.opcheck on every native op: schema mutation annotations, fake kernels, autograd registration
-and AOT dispatch; on the CPU always, on CUDA (the cross-entropy kernels) where a GPU is present."""
+and AOT dispatch; on the CPU always, on CUDA (the cross-entropy and sum-of-squares kernels) where a GPU is
+present. Then the sum of squares against an exact reference."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -81,3 +84,44 @@ def test_cross_entropy_rows_compiles_with_fullgraph() -> None:
     compiled(logits).backward()
     loss_of(ref).backward()
     torch.testing.assert_close(logits.grad, ref.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_squares_passes_opcheck(device: str) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
+    torch.library.opcheck(torch.ops.offload_ext.sum_squares.default, (x,))
+
+
+def _bf16_data(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    # Magnitudes over 2^-20 .. 2^4, as gradients spread, and some exact zeros.
+    x = torch.randn(n, generator=gen) * torch.pow(2.0, torch.randint(-20, 5, (n,), generator=gen).float())
+    x[::97] = 0.0
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n, offset", [(0, 0), (1, 0), (7, 3), (4099, 0), (300_001, 1), (300_001, 5)])
+def test_sum_squares_is_the_float64_sum_of_exact_squares(device: str, n: int, offset: int) -> None:
+    # `offset` starts the data off the 16-byte boundary: the CUDA kernel's unaligned head and tail.
+    x = _bf16_data(n + offset).to(device)[offset:]
+    exact = math.fsum(v * v for v in x.double().cpu().tolist())  # each square of a bf16 is exact in float64
+    got = ops.sum_squares(x)
+    assert got.dtype == torch.float64 and got.shape == () and got.device == x.device
+    # n - 1 float64 additions of non-negative terms, in any order: relative error at most
+    # gamma(n - 1) = (n - 1) u / (1 - (n - 1) u), u = 2^-53 (Higham, Accuracy and Stability, 4.2).
+    k = max(n - 1, 0) * 2.0 ** -53
+    assert abs(got.item() - exact) <= k / (1 - k) * exact
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_squares_gives_the_same_bits_every_run(device: str) -> None:
+    x = _bf16_data(1 << 20).to(device)
+    assert len({ops.sum_squares(x).item() for _ in range(5)}) == 1
+
+
+def test_sum_squares_refuses_what_it_cannot_sum() -> None:
+    with pytest.raises(RuntimeError, match="expected a bf16 tensor, got Float"):
+        ops.sum_squares(torch.ones(4))
+    with pytest.raises(RuntimeError, match="expected a contiguous tensor"):
+        ops.sum_squares(torch.ones(4, 4, dtype=torch.bfloat16).t())

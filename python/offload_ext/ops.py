@@ -72,6 +72,14 @@ def cross_entropy_rows_backward(
     torch.ops.offload_ext.cross_entropy_rows_backward(logits, lse, labels, grad, int(ignore_index), grad_logits)
 
 
+def sum_squares(x: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of the squares of a contiguous bf16 tensor's elements (each square exact), as a
+    0-d float64 tensor on its device: one read of the data, no float64 copy of it. On the CPU the order
+    is the engine's host norm pass; on CUDA a fixed grid, the same on every run."""
+    native()
+    return torch.ops.offload_ext.sum_squares(x)
+
+
 def set_num_threads(num_threads: int, pin: bool = False) -> None:
     """Size the kernels' thread pool (the caller counts as one); `pin` keeps the lowest CPU free."""
     native().set_num_threads(int(num_threads), bool(pin))
@@ -126,6 +134,11 @@ def _register_fakes_and_autograd() -> None:
                                           grad: torch.Tensor, ignore_index: int, grad_logits: torch.Tensor) -> None:
         torch._check(grad_logits.shape == logits.shape,
                      lambda: "cross_entropy_rows_backward: expected grad_logits shaped like logits")
+
+    @torch.library.register_fake("offload_ext::sum_squares")
+    def _sum_squares_fake(x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.dtype == torch.bfloat16, lambda: "sum_squares: expected a bf16 tensor")
+        return x.new_empty((), dtype=torch.float64)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
         logits, labels, ignore_index, overwrite = inputs

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from .._ext import native
 from .base import Backend, Hyper, LayerBuffers
 
@@ -56,14 +57,6 @@ def available_host_bytes() -> int | None:
     if len(fields) < 2:
         return None
     return max(0, fields["MemAvailable"] - fields["MemTotal"] // 8)
-
-
-def sq_sum(grad: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
-    """Sum of the squares of a bf16 gradient in float64 (each square exact), as a 0-d tensor on its device;
-    in chunks, so that the float64 copy stays small beside the layer (128 MB, where a B2 layer's would be
-    1.7 GB). A device-side sum costs the GPU tens of microseconds; the host's pass over the same gradient
-    cost 2 ms of host time per B1 layer (run 26), on the path of every speculative step."""
-    return torch.stack([c.double().square_().sum() for c in grad.split(chunk)]).sum()
 
 
 def check_host_memory(pinned: int, pageable: int, second: int, precision: str, available: int | None,
@@ -257,7 +250,9 @@ class NativeBackend(Backend):
         # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
         alt: tuple[torch.Tensor, ...] = ()
         if self._count in self._speculative_units:
-            first = e.host_zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
+            # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
+            first = (e.host_zeros(trainable, torch.float32) if master_buf is not None
+                     else e.pinned_empty(numel, torch.bfloat16))
             alt = (first, e.host_zeros(trainable, state_dtype), e.host_zeros(trainable, state_dtype))
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
@@ -349,7 +344,7 @@ class NativeBackend(Backend):
         job = self._job(index)
         device_norm = self._device_norm(index)
         if device_norm:  # on the stream that produced src, before the copy: no host pass over it
-            self._device_sq[index] = sq_sum(src)
+            self._device_sq[index] = ops.sum_squares(src)
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
                                   then_step=self._last_micro and index in self._speculating and not device_norm)
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.

@@ -13,6 +13,7 @@
 #include "cross_entropy.h"
 #include "engine.h"
 #include "step_scheduler.h"
+#include "sum_squares.h"
 #include "thread_pool.h"
 
 namespace {
@@ -74,12 +75,14 @@ TORCH_LIBRARY(offload_ext, m) {
   m.def(
       "cross_entropy_rows_backward(Tensor logits, Tensor lse, Tensor labels, Tensor grad, int ignore_index, "
       "Tensor(a!) grad_logits) -> ()");
+  m.def("sum_squares(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
   m.impl("adamw_step", &offload_ext::adamw_step_cpu);
   m.impl("cross_entropy_rows", &offload_ext::cross_entropy_rows_cpu);
   m.impl("cross_entropy_rows_backward", &offload_ext::cross_entropy_rows_backward_cpu);
+  m.impl("sum_squares", &offload_ext::sum_squares_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

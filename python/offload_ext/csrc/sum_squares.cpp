@@ -1,0 +1,23 @@
+// sum_squares on the CPU: the host norm pass of the AdamW kernels (bf16_accumulate without a gradient
+// to add), on the global pool.
+#include "sum_squares.h"
+
+#include "adamw.h"
+#include "thread_pool.h"
+
+namespace offload_ext {
+
+void check_sum_squares_arg(const char* who, const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": expected a bf16 tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), who, ": expected a contiguous tensor (one flat span); call .contiguous() first");
+}
+
+at::Tensor sum_squares_cpu(const at::Tensor& x) {
+  check_sum_squares_arg("sum_squares", x);
+  // With no gradient to add, bf16_accumulate only reads its accum argument.
+  auto* data = const_cast<uint16_t*>(reinterpret_cast<const uint16_t*>(x.const_data_ptr()));
+  const double sum = bf16_accumulate(data, nullptr, x.numel(), true, *global_pool(), active_simd_level());
+  return at::scalar_tensor(sum, x.options().dtype(at::kDouble));
+}
+
+}  // namespace offload_ext
