@@ -4,18 +4,31 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, LayerBuffers
+from .checkpoint import CheckpointWeights, make_real
 from .layout import Unit
 
 
-def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: bool = False) -> LayerBuffers:
-    """Host buffers for `unit`, filled from its parameters (and fp32 masters from them in "mixed"); each
-    parameter then holds an empty bf16 placeholder on `device` until a device buffer is bound to it."""
+def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: bool = False,
+              weights: CheckpointWeights | None = None) -> LayerBuffers:
+    """Host buffers for `unit`, filled from its parameters (and fp32 masters from them in "mixed"), or for a
+    parameter on the meta device from `weights`; each parameter then holds an empty bf16 placeholder on
+    `device` until a device buffer is bound to it."""
     host = backend.new_layer(unit.numel, unit.trainable_numel, own_grads=own_grads, groups=unit.group_ranges)
     for k, s in enumerate(unit.spans):
+        params = host.params[s.offset:s.offset + s.numel]
+        master = host.master[s.offset:s.offset + s.numel] if host.master is not None and k < unit.trainable else None
+        placeholder = torch.empty(0, dtype=torch.bfloat16, device=device)
+        if s.param.is_meta:
+            # Read once, into the widest buffer that keeps it (an fp32 checkpoint's values into the master).
+            weights.fill(s.param, master if master is not None else params)
+            if master is not None:
+                params.copy_(master)
+            make_real(s.param, placeholder)
+            continue
         src = s.param.detach().reshape(-1)
-        host.params[s.offset:s.offset + s.numel].copy_(src)
-        if host.master is not None and k < unit.trainable:
-            host.master[s.offset:s.offset + s.numel].copy_(src)
-        s.param.data = torch.empty(0, dtype=torch.bfloat16, device=device)
+        params.copy_(src)
+        if master is not None:
+            master.copy_(src)
+        s.param.data = placeholder
     host.mirror_frozen()
     return host

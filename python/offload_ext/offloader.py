@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .backends import Backend, Hyper, LayerBuffers, make_backend
+from .checkpoint import CheckpointWeights, check_materialized, from_pretrained_empty
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath, sums_on_device
@@ -75,6 +76,7 @@ class Offloader(torch.optim.Optimizer):
         speculative_clip: bool = True,
         accumulate_on_device: bool | None = None,
         resident_layers: int = 0,
+        weights: CheckpointWeights | None = None,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -105,12 +107,18 @@ class Offloader(torch.optim.Optimizer):
             async_step=async_step is not False, grad_accum=self._policy.host_grad_accum,
             speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset(),
             hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset())
-        t0 = time.perf_counter()
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
+        self._backend.plan(_sizes(self.layout.stacks), _sizes(outside))  # the memory check: nothing allocated yet
+        check_materialized(model, weights)
+        t0 = time.perf_counter()
+        for p in self.layout.device_params:  # before the host buffers: what it reads on the way is freed first
+            if p.is_meta:
+                weights.materialize(p, self.device)
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
         t1 = time.perf_counter()
         # The part outside the stacks has its own gradient buffer; layers may share a staging ring.
-        self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers)
+        self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
+                                                    weights=weights)
                                           for part in self.layout.parts for u in part.units]
         self._rings, self._grad_paths = self._device_side(device_layers)
         t2 = time.perf_counter()
@@ -124,6 +132,15 @@ class Offloader(torch.optim.Optimizer):
         for layer in self.layout.resident:  # checkpointed as the streamed layers are, with nothing to fetch
             wrap_layer(layer, lambda: None, compile_layers)
         self._restart_rings()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> Offloader:
+        """An Offloader over a causal LM's safetensors checkpoint (a local directory or a hub id), read
+        tensor by tensor straight into the host buffers and the device: the model is built on the meta
+        device and the weights are never whole in memory twice. The model is `off.model`; keyword
+        arguments are the constructor's."""
+        model, weights = from_pretrained_empty(name_or_path)
+        return cls(model, weights=weights, **kwargs)
 
     def _device_side(self, device_layers: int) -> tuple[list[DeviceRing], list[GradPath]]:
         """Per part, the device buffers: `device_layers` for weights (one for the part outside the

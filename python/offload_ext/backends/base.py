@@ -74,6 +74,10 @@ class Backend(ABC):
         self.accumulate = accumulate  # layers sum their gradients in host accumulators (accum)
         self._first_micro, self._last_micro = True, True
 
+    def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Told first the (numel, trainable numel) of every layer to come (and the units that will ask for a
+        gradient buffer of their own): raise now, allocating nothing, if this machine cannot hold them."""
+
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Told once, before new_layer, the (numel, trainable numel) of every layer to come; `own_grads`
         are units that will ask for a gradient buffer of their own."""

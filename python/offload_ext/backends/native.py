@@ -115,9 +115,12 @@ class NativeBackend(Backend):
         self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
         self._flushed: set[int] = set()    # units whose gradients came this step
         self._layers: list[LayerBuffers] = []  # per unit
+        self._blocks: list[int] | None = None   # plan(): the pinned blocks to reserve
+        self._before: int | None = None         # plan(): the host memory available then
 
-    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
-        """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
+    def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Choose the gradient slots and the slicing, then check host memory for the plan, speculating as
+        high up as it fits; nothing is allocated."""
         largest = max(t for _, t in sizes)
         if self._keep_grads:
             self._grad_slots = 0
@@ -134,22 +137,25 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        self._reserve(sizes, list(own_grads), largest)
+        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
+        before = available_host_bytes()
+        self._fit_speculation(lambda: sum(self._pinned_blocks(sizes, list(own_grads), largest)), units, before)
+        self._blocks = self._pinned_blocks(sizes, list(own_grads), largest)
+        check_host_memory(sum(self._blocks), self._pageable_bytes(units), self._second_buffer_bytes(units),
+                          self.precision, before)
+        self._before = before
+
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
+        if self._blocks is None:
+            self.plan(sizes, own_grads)
+        self._reserve([*sizes, *own_grads])
+        largest = max(t for _, t in sizes)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def _reserve(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> None:
-        """Check host memory for the plan (speculating as high up as it fits), page-lock the pinned blocks,
-        then check the pageable part against what is left."""
-        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
-
-        def pinned() -> int:
-            return sum(self._pinned_blocks(sizes, own_grads, largest))
-
-        before = available_host_bytes()
-        self._fit_speculation(pinned, units, before)
-        blocks = self._pinned_blocks(sizes, own_grads, largest)
-        check_host_memory(sum(blocks), self._pageable_bytes(units), self._second_buffer_bytes(units),
-                          self.precision, before)
+    def _reserve(self, units: list[tuple[int, int]]) -> None:
+        """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
+        blocks, before = self._blocks, self._before
         self._engine.reserve_pinned_blocks(blocks)
         # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
         # pageable part is checked again against what is left, before any of it is allocated. (A unit

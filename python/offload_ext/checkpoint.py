@@ -1,0 +1,214 @@
+"""Checkpoint: a Hugging Face safetensors checkpoint read tensor by tensor straight into the buffers
+that will hold it (the engine's pinned spans, a device parameter), and a model built with its
+parameters on the meta device, so that no second copy of the weights is ever whole in memory.
+
+The files are read with plain reads, not mapped: a mapped file's touched pages count in the process's
+resident memory until it is unmapped, which would add the checkpoint's size to the loading peak.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+from torch import nn
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_BOUNCE_BYTES = 64 << 20  # a conversion's staging buffer: the most a read holds besides its destination
+_META_LOCK = threading.Lock()  # parameters_on_meta patches nn.Module for the whole process
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: file, dtype, shape and the byte range inside the file."""
+
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _read_header(path: str) -> dict[str, TensorEntry]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header of {size} bytes)")
+        header = json.loads(f.read(size))
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; expected one of {', '.join(_DTYPES)}")
+        begin, end = meta["data_offsets"]
+        entries[name] = TensorEntry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + size + begin, end - begin)
+    return entries
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint: a file, or a directory with model.safetensors or a sharded
+    index (model.safetensors.index.json)."""
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                            "checkpoints stream into the Offloader; convert others with save_pretrained(..., "
+                            "safe_serialization=True))")
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a safetensors checkpoint by name, each read on demand into a given buffer."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: dict[str, TensorEntry] = {}
+        for file in checkpoint_files(path):
+            self.entries.update(_read_header(file))
+
+    def entry_for(self, names: list[str], shape: torch.Size) -> TensorEntry:
+        """The entry of the first of a parameter's names (a tied parameter has several) the checkpoint has;
+        raises, naming them, when none is there or its shape differs."""
+        for name in names:
+            entry = self.entries.get(name)
+            if entry is None:
+                continue
+            if entry.shape != tuple(shape):
+                raise ValueError(f"{self.path}: tensor {name!r} has shape {list(entry.shape)}, the model's parameter "
+                                 f"{list(shape)}: is the checkpoint for this config?")
+            return entry
+        raise KeyError(f"{self.path}: no tensor for the model's parameter {' / '.join(names)} (the checkpoint "
+                       f"has {len(self.entries)} tensors, e.g. {', '.join(sorted(self.entries)[:3])})")
+
+    def read_into(self, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Fill a contiguous CPU tensor of the entry's size with its values, converted to dst's dtype
+        (rounding as torch's .to() does)."""
+        if not (dst.is_contiguous() and dst.device.type == "cpu" and dst.numel() == entry.numel):
+            raise ValueError(f"read_into: expected a contiguous CPU tensor of {entry.numel} elements, got "
+                             f"{dst.numel()} on {dst.device}")
+        flat = dst.view(-1)
+        with open(entry.path, "rb", buffering=0) as f:
+            f.seek(entry.offset)
+            if entry.dtype == dst.dtype:
+                _read_exactly(f, flat.view(torch.uint8).numpy(), entry)
+                return
+            per = entry.nbytes // max(entry.numel, 1)
+            step = max(1, _BOUNCE_BYTES // per)
+            bounce = torch.empty(min(step, entry.numel), dtype=entry.dtype)
+            for begin in range(0, entry.numel, step):
+                part = bounce[: min(step, entry.numel - begin)]
+                _read_exactly(f, part.view(torch.uint8).numpy(), entry)
+                flat[begin:begin + part.numel()].copy_(part)
+
+
+def _read_exactly(f: BinaryIO, view: np.ndarray, entry: TensorEntry) -> None:
+    got = 0
+    mv = memoryview(view)
+    while got < len(mv):
+        n = f.readinto(mv[got:])
+        if not n:
+            raise ValueError(f"{entry.path}: ends inside a tensor (truncated file?)")
+        got += n
+
+
+class CheckpointWeights:
+    """The values of a model's meta parameters, from a checkpoint: every one is looked up (by any of its
+    names, for tied ones) and shape-checked when this is built, before anything is allocated."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, model: nn.Module) -> None:
+        self.checkpoint = checkpoint
+        names: dict[int, list[str]] = defaultdict(list)
+        params: dict[int, nn.Parameter] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names[id(p)].append(name)
+            params[id(p)] = p
+        self._entries = {pid: checkpoint.entry_for(names[pid], p.shape) for pid, p in params.items() if p.is_meta}
+
+    def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None:
+        """Write the parameter's values into a contiguous CPU tensor of its size, in dst's dtype."""
+        self.checkpoint.read_into(self._entries[id(param)], dst)
+
+    def materialize(self, param: nn.Parameter, device: torch.device) -> None:
+        """Give a meta parameter its values on `device`, in its own dtype."""
+        host = torch.empty(param.shape, dtype=param.dtype)
+        self.fill(param, host)
+        make_real(param, host.to(device))
+
+
+def make_real(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Turn a meta parameter into one holding `value`, keeping the Parameter object (which layouts, tied
+    modules and optimizers hold): `.data` cannot move a tensor off the meta device, a swap can."""
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def check_materialized(model: nn.Module, weights: CheckpointWeights | None) -> None:
+    """Refuse a model with parameters on the meta device unless `weights` hold their values."""
+    if weights is not None:
+        return
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"Offloader: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}) and no "
+                         "weights= hold their values: build with Offloader.from_pretrained(path), or load the model "
+                         "before offloading it")
+
+
+def from_pretrained_empty(name_or_path: str,
+                          dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, CheckpointWeights]:
+    """A causal LM built from its config with its parameters on the meta device, and the checkpoint's
+    weights for them: a local directory, or a hub id (only its config and safetensors are fetched)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = name_or_path
+    if not os.path.isdir(path) and not os.path.isfile(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
+    checkpoint = SafetensorsCheckpoint(path)  # raises first when there are no safetensors
+    config = AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, CheckpointWeights(checkpoint, model)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside, modules register their parameters on the meta device (shape, dtype and requires_grad
+    kept, no memory); buffers stay real, so values computed at construction (rotary frequencies) hold."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    with _META_LOCK:
+        nn.Module.register_parameter = register
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original

@@ -1,0 +1,125 @@
+"""Offloader.from_pretrained: a safetensors checkpoint read straight into the engine's buffers trains
+exactly like the same checkpoint loaded by transformers and then offloaded; its errors come before any
+allocation."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import offload_ext
+from helpers import batches, offloaded_training, tiny_llama
+from offload_ext import testing
+from offload_ext.checkpoint import SafetensorsCheckpoint, parameters_on_meta
+
+LR, WD = 1e-3, 0.01
+
+
+def _save(model: torch.nn.Module, path: str, dtype: torch.dtype = torch.bfloat16, shard: str | None = None) -> str:
+    model.to(dtype).save_pretrained(path, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
+    return path
+
+
+def _tied_llama() -> torch.nn.Module:
+    model = tiny_llama(layers=3)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    return model
+
+
+def _reference(path: str, precision: str, steps: int = 3) -> tuple[list[float], dict]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu")
+    losses = offloaded_training(off, model, batches(steps))
+    weights = off.model_state_dict()
+    off.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("make, shard", [(tiny_llama, None), (_tied_llama, None), (tiny_llama, "200KB")])
+def test_from_pretrained_trains_like_the_checkpoint_loaded_by_transformers(tmp_path, precision, make, shard) -> None:
+    path = _save(make(), str(tmp_path / "ckpt"), shard=shard)
+    if shard:
+        assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    ref_losses, ref_weights = _reference(path, precision)
+    off = offload_ext.Offloader.from_pretrained(path, lr=LR, weight_decay=WD, precision=precision, device="cpu")
+    model = off.model
+    assert all(not p.is_meta for p in model.parameters())
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings stay one parameter
+    assert offloaded_training(off, model, batches(3)) == ref_losses
+    weights = off.model_state_dict()
+    off.close()
+    assert weights.keys() == ref_weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(value, ref_weights[name]), name
+
+
+def test_an_fp32_checkpoint_gives_mixed_precision_its_fp32_masters(tmp_path) -> None:
+    base = tiny_llama(layers=2)
+    fp32 = {k: v.clone() for k, v in base.state_dict().items()}
+    path = _save(base, str(tmp_path / "ckpt"), dtype=torch.float32)
+    off = offload_ext.Offloader.from_pretrained(path, precision="mixed", device="cpu")
+    by_name = {id(p): n for n, p in off.model.named_parameters()}
+    checked = 0
+    for unit, host in zip(off.layout.units, testing.host_buffers(off)):
+        for k, s in enumerate(unit.spans):
+            want = fp32[by_name[id(s.param)]].reshape(-1)
+            assert torch.equal(host.params[s.offset:s.offset + s.numel], want.bfloat16())  # rounded as .to() does
+            if k < unit.trainable:
+                assert torch.equal(host.master[s.offset:s.offset + s.numel], want)  # not via bf16
+                checked += 1
+    off.close()
+    assert checked > 0
+
+
+def _without(path: str, key: str) -> None:
+    ckpt = SafetensorsCheckpoint(path)
+    tensors = {}
+    for name, entry in ckpt.entries.items():
+        t = torch.empty(entry.shape, dtype=entry.dtype)
+        ckpt.read_into(entry, t)
+        tensors[name] = t
+    del tensors[key]
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path) -> None:
+    path = _save(tiny_llama(layers=2), str(tmp_path / "ckpt"))
+    _without(path, "model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(KeyError, match="no tensor for the model's parameter model.layers.1.mlp.up_proj.weight"):
+        offload_ext.Offloader.from_pretrained(path, device="cpu")
+
+
+def test_a_checkpoint_for_another_shape_is_refused_naming_the_shapes(tmp_path) -> None:
+    path = _save(tiny_llama(layers=2), str(tmp_path / "ckpt"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] *= 2
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"has shape \[128, 64\], the model's parameter \[256, 64\]"):
+        offload_ext.Offloader.from_pretrained(path, device="cpu")
+
+
+def test_a_directory_without_safetensors_is_refused_with_the_fix(tmp_path) -> None:
+    tiny_llama(layers=2).config.save_pretrained(str(tmp_path))  # a config, weights in no safetensors file
+    with pytest.raises(FileNotFoundError, match="safe_serialization=True"):
+        offload_ext.Offloader.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_a_model_with_meta_parameters_and_no_weights_is_refused() -> None:
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(tiny_llama(layers=2).config)
+    assert all(p.is_meta for p in model.parameters())
+    assert all(not b.is_meta for b in model.buffers())  # rotary frequencies computed, not placeholders
+    with pytest.raises(ValueError, match="on the meta device .* Offloader.from_pretrained"):
+        offload_ext.Offloader(model, device="cpu")
