@@ -42,7 +42,7 @@ import os
 import statistics
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -50,6 +50,7 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
+from offload_ext.checkpoint import parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -134,36 +135,7 @@ def parse() -> argparse.Namespace:
     return a
 
 
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Parameters created meanwhile live on the meta device (their init costs nothing); buffers, such as
-    rotary tables computed at construction, stay real."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:  # a meta one is a tie being made: keep the object
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
 _BLOCK = 1 << 24  # pre-drawn N(0, 1) values a matrix is tiled from
-
-
-def _tile(flat: torch.Tensor, block: torch.Tensor, gen: torch.Generator) -> None:
-    """Fill `flat` with copies of `block`, each starting at a random place in it: a memory copy, where
-    drawing every value (normal_) took tens of seconds per B1 model on the GPU machine's host."""
-    done = 0
-    while done < flat.numel():
-        start = int(torch.randint(0, block.numel(), (1,), generator=gen))
-        n = min(block.numel() - start, flat.numel() - done)
-        flat[done:done + n].copy_(block[start:start + n])
-        done += n
 
 
 def build_model(a: argparse.Namespace) -> torch.nn.Module:
@@ -177,7 +149,7 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                       max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
                       rope_theta=500000.0)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(0)
     block = torch.randn(_BLOCK, generator=gen).mul_(cfg.initializer_range).bfloat16()
@@ -188,7 +160,7 @@ def build_model(a: argparse.Namespace) -> torch.nn.Module:
                 continue
             if id(meta) not in filled:
                 host = torch.empty(meta.shape, dtype=torch.bfloat16)
-                host.fill_(1.0) if meta.dim() == 1 else _tile(host.view(-1), block, gen)
+                host.fill_(1.0) if meta.dim() == 1 else tile_random(host.view(-1), block, gen)
                 filled[id(meta)] = torch.nn.Parameter(host, requires_grad=meta.requires_grad)
             module._parameters[name] = filled[id(meta)]
     model.config.use_cache = False

@@ -123,3 +123,25 @@ def test_a_model_with_meta_parameters_and_no_weights_is_refused() -> None:
     assert all(not b.is_meta for b in model.buffers())  # rotary frequencies computed, not placeholders
     with pytest.raises(ValueError, match="on the meta device .* Offloader.from_pretrained"):
         offload_ext.Offloader(model, device="cpu")
+
+
+def test_loading_a_04b_checkpoint_peaks_within_115x_the_engines_state_over_the_baseline(tmp_path) -> None:
+    # Issue 12's CPU acceptance: a 0.41 B-param bf16 checkpoint (0.82 GB) streamed into the engine on the
+    # simulated device, in a fresh interpreter: its peak resident memory over the resident memory it had
+    # before the load is at most 1.15x the engine's own state (pinned and pageable pools, the device
+    # parameters). Transformers' own load, then offloaded, is measured beside it.
+    from transformers import LlamaConfig
+
+    from offload_ext import load_probe
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)
+    path = str(tmp_path / "ckpt")
+    weights = load_probe.write_random_checkpoint(cfg, path)
+    assert 0.8e9 < weights < 0.85e9
+    engine = load_probe.probe(path, via="engine")
+    assert engine["peak_rss"] - engine["baseline_rss"] <= 1.15 * engine["state_bytes"], engine
+    via_transformers = load_probe.probe(path, via="transformers")
+    # The streamed load holds no copy of the weights beside the engine's: it adds less than the other.
+    assert (engine["peak_rss"] - engine["baseline_rss"]
+            < via_transformers["peak_rss"] - via_transformers["baseline_rss"]), (engine, via_transformers)

@@ -39,6 +39,22 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
     assert model.config.num_hidden_layers == train.BUILTIN[default][1]
 
 
+def test_pretrained_weights_streamed_into_the_engine_give_transformers_first_loss(tmp_path) -> None:
+    # --pretrained with an offload backend reads the safetensors straight into the engine; without one,
+    # transformers loads the model. The same weights and batch: the same first loss, bit for bit.
+    trained = str(tmp_path / "trained")
+    train.run(train.parse_args(["--out", trained, *FAST]))
+    first = {}
+    for name, extra in (("streamed", ["--device", "cpu-sim", "--backend", "native"]),
+                        ("transformers", ["--device", "cpu", "--backend", "none"])):
+        out = str(tmp_path / name)
+        train.run(train.parse_args(["--out", out, "--model", os.path.join(trained, "checkpoint"), "--pretrained",
+                                    *FAST, "--steps", "1", *extra]))
+        first[name] = _metrics(out)[0]["loss"]
+    assert first["streamed"] == first["transformers"]
+    assert first["streamed"] < _metrics(trained)[0]["loss"] - 0.2  # the trained weights, not a fresh init
+
+
 def test_loss_backends_start_from_the_same_loss_and_both_learn(tmp_path) -> None:
     curves = {}
     for backend in ("native", "torch"):

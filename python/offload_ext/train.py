@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
-    model = build_model(args, vocab)
+    model, weights = build_model(args, vocab)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise UsageError(f"--seq-len {args.seq_len} is above the model's maximum of {max_pos} positions")
-    trainer = Trainer(args, model, device, simulated)
+    trainer = Trainer(args, model, device, simulated, weights)
     start = trainer.load(stream) if args.resume else 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if not args.resume and os.path.exists(metrics_path):

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from .checkpoint import CheckpointWeights, from_pretrained_empty
 from .losses import resolve_loss_backend
 
 BUILTIN = {
@@ -101,7 +102,9 @@ def _dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Module, CheckpointWeights | None]:
+    """The model, and for --pretrained with an offload backend the checkpoint's weights its meta
+    parameters are filled from (streamed into the engine; transformers' own load holds them whole)."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(args.seed)
@@ -113,7 +116,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
                           num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                           tie_word_embeddings=tied, max_position_embeddings=max(2048, args.seq_len),
                           rope_theta=500000.0, use_cache=False)
-        return bf16_llama(cfg)
+        return bf16_llama(cfg), None
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
@@ -121,13 +124,17 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
                          f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
                          ) from exc
     if args.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_keyword(): torch.bfloat16})
-        if model.config.vocab_size < vocab_size:
-            raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {model.config.vocab_size}; "
+        if cfg.vocab_size < vocab_size:
+            raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {cfg.vocab_size}; "
                              "use the model's own tokenizer (--tokenizer)")
-        return model
+        if args.backend != "none":
+            try:
+                return from_pretrained_empty(args.model)
+            except (FileNotFoundError, KeyError, ValueError) as exc:
+                raise UsageError(f"--pretrained {args.model}: {exc}") from exc
+        return AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_keyword(): torch.bfloat16}), None
     cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg), None
 
 
 def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int]:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from .checkpoint import CheckpointWeights
 from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss
 from .param_groups import build_groups
@@ -34,7 +35,8 @@ def lr_factor(args: argparse.Namespace, step: int) -> float:
 class Trainer:
     """One training run: the offloaded path (Offloader) or the plain one (device optimizer)."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool):
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool,
+                 weights: CheckpointWeights | None = None):
         self.args, self.model, self.device = args, model, device
         self.off = None
         self.opt = None
@@ -49,7 +51,7 @@ class Trainer:
                                  offload_all=args.offload_all, grad_accum=args.grad_accum,
                                  max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
                                  accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
-                                 resident_layers=args.resident_layers)
+                                 resident_layers=args.resident_layers, weights=weights)
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt

@@ -1,0 +1,77 @@
+"""Loading a checkpoint: host memory and time, streamed into the engine (Offloader.from_pretrained)
+against transformers' own load followed by offloading, each in a fresh interpreter (offload_ext.load_probe).
+
+A random bf16 safetensors checkpoint of the preset's shape is written first (once; --dir keeps it).
+Each row: the load's time, the first training step's end (with --step) and the child's whole wall time;
+its peak resident memory, its resident memory before the load, the engine's own state (pinned and
+pageable pools; on the simulated device the device parameters too) and the peak's growth over it.
+
+    python benchmarks/bench_load.py --preset 0.4b                      # the CI test's shape, simulated device
+    python benchmarks/bench_load.py --preset b2 --device cuda --step 1x4096
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from transformers import LlamaConfig
+
+import _common
+from offload_ext import load_probe
+
+PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
+    "0.4b": (1024, 24, 16, 8, 4096, 32000, True),
+    "b1": (2048, 16, 32, 8, 8192, 128256, True),
+    "b2": (4096, 32, 32, 8, 14336, 128256, False),
+}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="0.4b")
+    ap.add_argument("--dir", default=None, help="where the checkpoint is (written there when absent)")
+    ap.add_argument("--vias", default="engine,transformers")
+    ap.add_argument("--precisions", default="bf16")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--step", default=None, help="BATCHxSEQ: one training step after each load")
+    ap.add_argument("--stem", default=None)
+    return ap.parse_args()
+
+
+def config(preset: str) -> LlamaConfig:
+
+    hidden, layers, heads, kv, inter, vocab, tied = PRESETS[preset]
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
+                       max_position_embeddings=8192, rope_theta=500000.0, use_cache=False)
+
+
+def main() -> None:
+    a = parse()
+    path = a.dir or f"/tmp/offload_ext_ckpt_{a.preset}"
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        size = load_probe.write_random_checkpoint(config(a.preset), path)
+        print(f"wrote {size / 1e9:.2f} GB to {path}", flush=True)
+    gb = 1e9
+    rows = []
+    md = [f"Preset {a.preset}, checkpoint {path}, device {a.device}" + (f", one step of {a.step}" if a.step else ""),
+          "", "| load | precision | load s | first step s | wall s | peak RSS GB | baseline GB | state GB | "
+          "(peak - baseline) / state |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for via in a.vias.split(","):
+        for precision in a.precisions.split(","):
+            r = load_probe.probe(path, via=via, precision=precision, device=a.device, step=a.step)
+            growth = (r["peak_rss"] - r["baseline_rss"]) / r["state_bytes"]
+            rows.append({**r, "growth": growth})
+            first = f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-"
+            line = (f"| {via} | {precision} | {r['load_s']:.1f} | {first} | {r['wall_s']:.1f} | "
+                    f"{r['peak_rss'] / gb:.2f} | {r['baseline_rss'] / gb:.2f} | {r['state_bytes'] / gb:.2f} | "
+                    f"{growth:.2f}x |")
+            print(line, flush=True)
+            md.append(line)
+    for p in _common.write_results(a.stem or f"load_{a.preset}", {"preset": a.preset, "rows": rows}, "\n".join(md)):
+        print("wrote", p)
+
+
+if __name__ == "__main__":
+    main()
