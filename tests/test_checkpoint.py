@@ -145,3 +145,45 @@ def test_loading_a_04b_checkpoint_peaks_within_115x_the_engines_state_over_the_b
     # The streamed load holds no copy of the weights beside the engine's: it adds less than the other.
     assert (engine["peak_rss"] - engine["baseline_rss"]
             < via_transformers["peak_rss"] - via_transformers["baseline_rss"]), (engine, via_transformers)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("make, shard", [(tiny_llama, None), (_tied_llama, None), (tiny_llama, 200_000)])
+def test_save_pretrained_writes_what_transformers_and_from_pretrained_load(tmp_path, precision, make, shard) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base = make()
+    off = offload_ext.Offloader(base, lr=LR, weight_decay=WD, precision=precision, device="cpu")
+    offloaded_training(off, base, batches(2))
+    out = str(tmp_path / "saved")
+    files = off.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    assert (len(files) > 1) == bool(shard) and not [f for f in os.listdir(out) if f.endswith(".partial")]
+    expected = off.model_state_dict()
+    losses_after = offloaded_training(off, base, batches(4)[2:])
+    off.close()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    got = loaded.state_dict()  # persistent entries only (model_state_dict has the rotary buffers too)
+    assert got.keys() <= expected.keys()
+    for name, value in got.items():
+        assert torch.equal(value, expected[name]), name
+    # And back into the engine: training continues from the saved weights (the moments start afresh in
+    # both runs, so the two runs compare like with like).
+    again = offload_ext.Offloader.from_pretrained(out, lr=LR, weight_decay=WD, precision=precision, device="cpu")
+    ref = offload_ext.Offloader(loaded, lr=LR, weight_decay=WD, precision=precision, device="cpu")
+    assert offloaded_training(again, again.model, batches(4)[2:]) == offloaded_training(ref, loaded, batches(4)[2:])
+    again.close()
+    ref.close()
+    assert losses_after  # the original run went on after saving: the save did not disturb its state
+
+
+def test_a_failed_save_leaves_no_file_under_its_name(tmp_path) -> None:
+    from offload_ext.checkpoint import TensorSource, write_safetensors
+
+    def broken() -> torch.Tensor:
+        raise OSError("disk full")
+
+    tensors = [("a", TensorSource(torch.bfloat16, (4,), lambda: torch.zeros(4, dtype=torch.bfloat16))),
+               ("b", TensorSource(torch.bfloat16, (4,), broken))]
+    with pytest.raises(OSError, match="disk full"):
+        write_safetensors(str(tmp_path), tensors, max_shard_bytes=8)
+    assert os.listdir(tmp_path) == ["model-00001-of-00002.safetensors"]  # the complete first shard only

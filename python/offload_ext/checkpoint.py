@@ -1,6 +1,7 @@
 """Checkpoint: a Hugging Face safetensors checkpoint read tensor by tensor straight into the buffers
-that will hold it (the engine's pinned spans, a device parameter), and a model built with its
-parameters on the meta device, so that no second copy of the weights is ever whole in memory.
+that will hold it (the engine's pinned spans, a device parameter), and written tensor by tensor from
+them; and a model built with its parameters on the meta device, so that no second copy of the weights
+is ever whole in memory.
 
 The files are read with plain reads, not mapped: a mapped file's touched pages count in the process's
 resident memory until it is unmapped, which would add the checkpoint's size to the loading peak.
@@ -13,7 +14,7 @@ import os
 import struct
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _BOUNCE_BYTES = 64 << 20  # a conversion's staging buffer: the most a read holds besides its destination
 _META_LOCK = threading.Lock()  # parameters_on_meta patches nn.Module for the whole process
 
@@ -164,6 +166,89 @@ def make_real(param: nn.Parameter, value: torch.Tensor) -> None:
     """Turn a meta parameter into one holding `value`, keeping the Parameter object (which layouts, tied
     modules and optimizers hold): `.data` cannot move a tensor off the meta device, a swap can."""
     torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def _shards(tensors: list[tuple[str, TensorSource]], max_shard_bytes: int) -> list[list[tuple[str, TensorSource]]]:
+    shards: list[list[tuple[str, TensorSource]]] = [[]]
+    size = 0
+    for name, src in tensors:
+        if shards[-1] and size + src.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, src))
+        size += src.nbytes
+    return shards
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A tensor to write: its dtype and shape, and a function giving its values as a contiguous CPU
+    tensor when its turn comes (a view of a host buffer, or one device tensor copied over)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    values: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Write `tensors` as model.safetensors, or as model-0000k-of-0000n.safetensors shards of at most
+    max_shard_bytes with a model.safetensors.index.json, one tensor in memory at a time. Each file is
+    written under a .partial name and renamed when complete, so a failure leaves no file half-written
+    under its real name. Returns the files written."""
+    for name, src in tensors:
+        if src.dtype not in _NAMES:
+            raise ValueError(f"write_safetensors: tensor {name!r} has dtype {src.dtype}; expected one of "
+                             f"{', '.join(map(str, _NAMES))}")
+    shards = _shards(tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    os.makedirs(path, exist_ok=True)
+    done = []
+    try:
+        for file, shard in zip(names, shards):
+            _write_file(os.path.join(path, file), shard)
+            done.append(file)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(src.nbytes for _, src in tensors)},
+                     "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard}}
+            with open(os.path.join(path, "model.safetensors.index.json.partial"), "w") as f:
+                json.dump(index, f, indent=2)
+            os.replace(os.path.join(path, "model.safetensors.index.json.partial"),
+                       os.path.join(path, "model.safetensors.index.json"))
+    except BaseException:
+        for file in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, file + ".partial"))
+        raise
+    return [os.path.join(path, f) for f in done]
+
+
+def _write_file(path: str, shard: list[tuple[str, TensorSource]]) -> None:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, src in shard:
+        header[name] = {"dtype": _NAMES[src.dtype], "shape": list(src.shape),
+                        "data_offsets": [offset, offset + src.nbytes]}
+        offset += src.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
+    with open(path + ".partial", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, src in shard:
+            t = src.values()
+            if t.dtype != src.dtype or tuple(t.shape) != src.shape or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"write_safetensors: {name!r} gave {t.dtype} {list(t.shape)} on {t.device}, "
+                                 f"expected a contiguous CPU {src.dtype} {list(src.shape)}")
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    os.replace(path + ".partial", path)
 
 
 def check_materialized(model: nn.Module, weights: CheckpointWeights | None) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .backends import Backend, Hyper, LayerBuffers, make_backend
-from .checkpoint import CheckpointWeights, check_materialized, from_pretrained_empty
+from .checkpoint import CheckpointWeights, check_materialized, from_pretrained_empty, write_safetensors
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath, sums_on_device
@@ -33,7 +33,7 @@ from .layers import (
 from .layout import Layout, Part, hedged_units, plan_layout, speculative_units
 from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
-from .state import check_state, host_state, load_host_state, model_weights, span_names
+from .state import check_state, host_state, load_host_state, model_weights, span_names, weight_sources
 from .step_policy import StepPolicy
 from .timeline import Timeline, span
 
@@ -291,6 +291,19 @@ class Offloader(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._restart_rings()
+
+    def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:
+        """Write the model as transformers does (config.json, safetensors shards of at most max_shard_size
+        bytes and their index), straight from where the weights live: one tensor in memory at a time,
+        each file complete under its name or not there. `AutoModelForCausalLM.from_pretrained(path)`
+        and `Offloader.from_pretrained(path)` load it. Returns the weight files written."""
+        self._settle()
+        files = write_safetensors(path, weight_sources(self.model, self.layout, self._host), max_shard_size)
+        self.model.config.save_pretrained(path)
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(path)
+        return files
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights by name, as CPU tensors (streamed ones read from the host buffers)."""

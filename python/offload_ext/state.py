@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .backends import LayerBuffers
+from .checkpoint import TensorSource
 from .layout import Layout
 
 _HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
@@ -51,6 +52,27 @@ def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], g
                          "another model); build the Offloader with the same groups / no_decay as the saved one")
 
 
+def weight_sources(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> list[tuple[str, TensorSource]]:
+    """The model's state_dict entries by name, each tensor once (a tied one under its first name), as
+    sources that give each value when asked: a view of its host span, or a CPU copy of a device tensor."""
+    streamed = {}
+    for unit in layout.units:
+        for s in unit.spans:
+            streamed[id(s.param)] = (host[unit.index], s)
+    out, seen = [], set()
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameter objects themselves
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if id(t) in streamed:
+            buffers, s = streamed[id(t)]
+            out.append((name, TensorSource(torch.bfloat16, tuple(s.shape),
+                                           lambda b=buffers, s=s: b.params[s.offset:s.offset + s.numel].view(s.shape))))
+        else:
+            out.append((name, TensorSource(t.dtype, tuple(t.shape), lambda t=t: t.detach().cpu().contiguous())))
+    return out
+
+
 def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> dict[str, torch.Tensor]:
     """The model's weights by name as CPU tensors: streamed ones copied from the host buffers."""
     streamed = {}
@@ -60,7 +82,8 @@ def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) ->
             streamed[id(s.param)] = params[s.offset:s.offset + s.numel].view(s.shape)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().cpu()
+        # copy=True: on the simulated device .cpu() would hand out the live tensor itself.
+        out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
     for name, buf in model.named_buffers():
-        out[name] = buf.detach().cpu()
+        out[name] = buf.detach().to("cpu", copy=True)
     return out

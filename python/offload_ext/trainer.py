@@ -127,17 +127,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        if self.off is not None:
-            return self.off.model_state_dict()
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-
     def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> None:
         ckpt = os.path.join(self.args.out, "checkpoint")
         os.makedirs(ckpt, exist_ok=True)
-        weights = self.weights()
-        # save_pretrained consumes the dict it is given; the trainer state keeps its own.
-        self.model.save_pretrained(ckpt, state_dict=dict(weights), safe_serialization=True)
+        weights = None
+        if self.off is not None:
+            self.off.save_pretrained(ckpt)  # from the host buffers, a tensor at a time
+        else:
+            weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            # save_pretrained consumes the dict it is given; the trainer state keeps its own.
+            self.model.save_pretrained(ckpt, state_dict=dict(weights), safe_serialization=True)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(ckpt)
         else:
@@ -148,7 +147,7 @@ class Trainer:
             "engine": self.off.state_dict() if self.off is not None else None,
             "optimizer": self.opt.state_dict() if self.opt is not None else None,
             "schedule": self.schedule.state_dict(),
-            "model": weights if self.off is None else None,
+            "model": weights,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "args": vars(self.args),
