@@ -187,3 +187,28 @@ def test_a_failed_save_leaves_no_file_under_its_name(tmp_path) -> None:
     with pytest.raises(OSError, match="disk full"):
         write_safetensors(str(tmp_path), tensors, max_shard_bytes=8)
     assert os.listdir(tmp_path) == ["model-00001-of-00002.safetensors"]  # the complete first shard only
+
+
+def test_from_config_draws_each_module_by_the_models_own_init_rule(tmp_path) -> None:
+    cfg = _tied_llama().config
+    off = offload_ext.Offloader.from_config(cfg, seed=3, device="cpu")
+    weights = off.model_state_dict()
+    std = cfg.initializer_range
+    for name, value in weights.items():
+        if "rotary" in name:
+            continue
+        v = value.float()
+        if name.endswith("norm.weight"):
+            assert torch.equal(v, torch.ones_like(v)), name  # RMSNorm: ones
+        else:  # Linear and Embedding: N(0, initializer_range); 1 / sqrt(n) bounds the sampling error
+            n = v.numel()
+            assert abs(v.mean().item()) < 6 * std / n ** 0.5, name
+            assert abs(v.std().item() - std) < 6 * std / n ** 0.5 + std / 64, name  # + bf16 rounding
+    assert off.model.lm_head.weight is off.model.model.embed_tokens.weight
+    losses = offloaded_training(off, off.model, batches(6))
+    off.close()
+    assert losses[-1] < losses[0]
+    same = offload_ext.Offloader.from_config(cfg, seed=3, device="cpu").model_state_dict()
+    other = offload_ext.Offloader.from_config(cfg, seed=4, device="cpu").model_state_dict()
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(same[name], weights[name]) and not torch.equal(other[name], weights[name])

@@ -1,7 +1,8 @@
 """Checkpoint: a Hugging Face safetensors checkpoint read tensor by tensor straight into the buffers
 that will hold it (the engine's pinned spans, a device parameter), and written tensor by tensor from
-them; and a model built with its parameters on the meta device, so that no second copy of the weights
-is ever whole in memory.
+them; fresh weights drawn module by module with the model's own init rule into the same buffers; and a
+model built with its parameters on the meta device, so that no second copy of the weights is ever whole
+in memory.
 
 The files are read with plain reads, not mapped: a mapped file's touched pages count in the process's
 resident memory until it is unmapped, which would add the checkpoint's size to the loading peak.
@@ -16,7 +17,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -162,6 +163,57 @@ class CheckpointWeights:
         make_real(param, host.to(device))
 
 
+class WeightSource(Protocol):
+    """Values for a model's meta parameters, each given when the buffer that will hold it exists."""
+
+    def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None: ...
+
+    def materialize(self, param: nn.Parameter, device: torch.device) -> None: ...
+
+
+class InitWeights:
+    """Fresh weights by the model's own rule (its `_init_weights`, as transformers applies it to every
+    module), drawn module by module on the CPU in the model's dtype: a module's parameters are made
+    real, initialised together, and handed out one by one, so at most one module's are held at once."""
+
+    def __init__(self, model: nn.Module, seed: int = 0) -> None:
+        if not hasattr(model, "_init_weights"):
+            raise ValueError(f"InitWeights: {type(model).__name__} has no _init_weights (a transformers model has)")
+        self.model = model
+        self.owner: dict[int, tuple[nn.Module, str]] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    self.owner.setdefault(id(p), (module, name))
+        self._ready: dict[int, torch.Tensor] = {}  # drawn with their module, not handed out yet
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def _draw(self, module: nn.Module) -> None:
+        metas = {name: p for name, p in module._parameters.items() if p is not None and p.is_meta}
+        real = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                for name, p in metas.items()}
+        module._parameters.update(real)
+        state = torch.get_rng_state()
+        torch.manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=self._gen)))
+        try:
+            self.model._init_weights(module)
+        finally:
+            torch.set_rng_state(state)
+            module._parameters.update(metas)  # the meta objects stay the model's until filled
+        for name, p in metas.items():
+            self._ready[id(p)] = real[name].data
+
+    def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None:
+        if id(param) not in self._ready:
+            self._draw(self.owner[id(param)][0])
+        dst.view(-1).copy_(self._ready.pop(id(param)).reshape(-1))
+
+    def materialize(self, param: nn.Parameter, device: torch.device) -> None:
+        host = torch.empty(param.shape, dtype=param.dtype)
+        self.fill(param, host)
+        make_real(param, host.to(device))
+
+
 def make_real(param: nn.Parameter, value: torch.Tensor) -> None:
     """Turn a meta parameter into one holding `value`, keeping the Parameter object (which layouts, tied
     modules and optimizers hold): `.data` cannot move a tensor off the meta device, a swap can."""
@@ -251,7 +303,7 @@ def _write_file(path: str, shard: list[tuple[str, TensorSource]]) -> None:
     os.replace(path + ".partial", path)
 
 
-def check_materialized(model: nn.Module, weights: CheckpointWeights | None) -> None:
+def check_materialized(model: nn.Module, weights: WeightSource | None) -> None:
     """Refuse a model with parameters on the meta device unless `weights` hold their values."""
     if weights is not None:
         return
@@ -260,6 +312,16 @@ def check_materialized(model: nn.Module, weights: CheckpointWeights | None) -> N
         raise ValueError(f"Offloader: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}) and no "
                          "weights= hold their values: build with Offloader.from_pretrained(path), or load the model "
                          "before offloading it")
+
+
+def from_config_empty(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[nn.Module, InitWeights]:
+    """A causal LM of `config` with its parameters on the meta device, and fresh weights for them drawn
+    by its own init rule."""
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, InitWeights(model, seed)
 
 
 def from_pretrained_empty(name_or_path: str,

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, LayerBuffers
-from .checkpoint import CheckpointWeights, make_real
+from .checkpoint import WeightSource, make_real
 from .layout import Unit
 
 
 def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: bool = False,
-              weights: CheckpointWeights | None = None) -> LayerBuffers:
+              weights: WeightSource | None = None) -> LayerBuffers:
     """Host buffers for `unit`, filled from its parameters (and fp32 masters from them in "mixed"), or for a
     parameter on the meta device from `weights`; each parameter then holds an empty bf16 placeholder on
     `device` until a device buffer is bound to it."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .backends import Backend, Hyper, LayerBuffers, make_backend
-from .checkpoint import CheckpointWeights, check_materialized, from_pretrained_empty, write_safetensors
+from .checkpoint import WeightSource, check_materialized, from_config_empty, from_pretrained_empty, write_safetensors
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath, sums_on_device
@@ -76,7 +76,7 @@ class Offloader(torch.optim.Optimizer):
         speculative_clip: bool = True,
         accumulate_on_device: bool | None = None,
         resident_layers: int = 0,
-        weights: CheckpointWeights | None = None,
+        weights: WeightSource | None = None,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -291,6 +291,14 @@ class Offloader(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._restart_rings()
+
+    @classmethod
+    def from_config(cls, config: Any, seed: int = 0, **kwargs: Any) -> Offloader:
+        """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
+        module's weights drawn by the model's own init rule straight into the host buffers and the device,
+        the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
+        model, weights = from_config_empty(config, seed=seed)
+        return cls(model, weights=weights, **kwargs)
 
     def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:
         """Write the model as transformers does (config.json, safetensors shards of at most max_shard_size

@@ -115,7 +115,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise UsageError(f"--seq-len {args.seq_len} is above the model's maximum of {max_pos} positions")
-    trainer = Trainer(args, model, device, simulated, weights)
+    try:
+        trainer = Trainer(args, model, device, simulated, weights)
+    except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
+        raise UsageError(str(exc)) from exc
     start = trainer.load(stream) if args.resume else 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if not args.resume and os.path.exists(metrics_path):

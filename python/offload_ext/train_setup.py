@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .checkpoint import CheckpointWeights, from_pretrained_empty
+from .checkpoint import WeightSource, from_config_empty, from_pretrained_empty
 from .losses import resolve_loss_backend
 
 BUILTIN = {
@@ -18,7 +18,10 @@ BUILTIN = {
     "small": (512, 8, 8, 4, 1408, True, 4096, None),
     # Llama-3.2-1B's shape, its 128256-entry embedding included (the embedded tokenizer uses 8192 of them).
     "llama-1b": (2048, 16, 32, 8, 8192, True, 8192, 128256),
+    "llama-8b": (4096, 32, 32, 8, 14336, False, 8192, 128256),  # Llama-3.1-8B's shape
+    "qwen-14b": (5120, 48, 40, 8, 13824, False, 8192, 152064),  # Qwen2.5-14B's shape (a Qwen2 model)
 }
+_QWEN2 = {"qwen-14b"}  # built as Qwen2 (biased q/k/v projections, rope theta 1e6); the rest as Llama
 
 
 
@@ -102,20 +105,24 @@ def _dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Module, CheckpointWeights | None]:
-    """The model, and for --pretrained with an offload backend the checkpoint's weights its meta
-    parameters are filled from (streamed into the engine; transformers' own load holds them whole)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Module, WeightSource | None]:
+    """The model, and with an offload backend the weights its meta parameters are filled from: the
+    checkpoint's (--pretrained), or drawn by the model's init rule (--from-scratch), straight into the
+    engine; without one, transformers builds or loads the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(args.seed)
     if args.model in BUILTIN:
         if args.pretrained:
             raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch")
         hidden, layers, heads, kv, inter, tied, _, model_vocab = BUILTIN[args.model]
-        cfg = LlamaConfig(vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                          tie_word_embeddings=tied, max_position_embeddings=max(2048, args.seq_len),
-                          rope_theta=500000.0, use_cache=False)
+        qwen = args.model in _QWEN2
+        cfg = (Qwen2Config if qwen else LlamaConfig)(
+            vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
+            max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False)
+        if args.backend != "none":  # built on the meta device, drawn layer by layer into the engine
+            return from_config_empty(cfg, seed=args.seed)
         return bf16_llama(cfg), None
     try:
         cfg = AutoConfig.from_pretrained(args.model)
@@ -134,6 +141,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Mod
                 raise UsageError(f"--pretrained {args.model}: {exc}") from exc
         return AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_keyword(): torch.bfloat16}), None
     cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
+    if args.backend != "none":
+        return from_config_empty(cfg, seed=args.seed)
     return AutoModelForCausalLM.from_config(cfg), None
 
 

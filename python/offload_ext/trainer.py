@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .checkpoint import CheckpointWeights
+from .checkpoint import WeightSource
 from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss
 from .param_groups import build_groups
@@ -36,7 +36,7 @@ class Trainer:
     """One training run: the offloaded path (Offloader) or the plain one (device optimizer)."""
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool,
-                 weights: CheckpointWeights | None = None):
+                 weights: WeightSource | None = None):
         self.args, self.model, self.device = args, model, device
         self.off = None
         self.opt = None
