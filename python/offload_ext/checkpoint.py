@@ -143,6 +143,8 @@ class CheckpointWeights:
     """The values of a model's meta parameters, from a checkpoint: every one is looked up (by any of its
     names, for tied ones) and shape-checked when this is built, before anything is allocated."""
 
+    thread_safe = True  # each read opens the file for itself
+
     def __init__(self, checkpoint: SafetensorsCheckpoint, model: nn.Module) -> None:
         self.checkpoint = checkpoint
         names: dict[int, list[str]] = defaultdict(list)
@@ -166,6 +168,8 @@ class CheckpointWeights:
 class WeightSource(Protocol):
     """Values for a model's meta parameters, each given when the buffer that will hold it exists."""
 
+    thread_safe: bool  # fill() may run on several threads at once (for different parameters)
+
     def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None: ...
 
     def materialize(self, param: nn.Parameter, device: torch.device) -> None: ...
@@ -175,6 +179,8 @@ class InitWeights:
     """Fresh weights by the model's own rule (its `_init_weights`, as transformers applies it to every
     module), drawn module by module on the CPU in the model's dtype: a module's parameters are made
     real, initialised together, and handed out one by one, so at most one module's are held at once."""
+
+    thread_safe = False  # a module is drawn whole, with the process's RNG
 
     def __init__(self, model: nn.Module, seed: int = 0) -> None:
         if not hasattr(model, "_init_weights"):

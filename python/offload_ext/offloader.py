@@ -10,8 +10,10 @@ backend runs. It is a torch.optim.Optimizer, so torch's LR schedulers drive its 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -117,9 +119,10 @@ class Offloader(torch.optim.Optimizer):
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
         t1 = time.perf_counter()
         # The part outside the stacks has its own gradient buffer; layers may share a staging ring.
-        self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
-                                                    weights=weights)
-                                          for part in self.layout.parts for u in part.units]
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as readers:
+            self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
+                                                        weights=weights, pool=readers)
+                                              for part in self.layout.parts for u in part.units]
         self._rings, self._grad_paths = self._device_side(device_layers)
         t2 = time.perf_counter()
         self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
