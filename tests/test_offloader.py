@@ -100,6 +100,30 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -> None:
+    # save_state writes the host buffers from where they live (no copy in memory) and load_state reads
+    # them back into place: the same run as state_dict / load_state_dict, after speculative steps too.
+    base, data = tiny_llama(layers=3), batches(6)
+    kw = dict(lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu", max_grad_norm=0.5)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:3])
+    off.save_state(str(tmp_path))
+    expected = offloaded_training(off, model, data[3:])
+    off.close()
+    resumed = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed, **kw)
+    offloaded_training(off2, resumed, data[:1])  # its buffers swapped once: load into the live ones
+    off2.load_state(str(tmp_path))
+    assert offloaded_training(off2, resumed, data[3:]) == expected
+    off2.close()
+    other = offload_ext.Offloader(tiny_llama(layers=2), **kw)
+    with pytest.raises(ValueError, match="another model"):  # refused before any buffer is written
+        other.load_state(str(tmp_path))
+    other.close()
+
+
 @pytest.mark.parametrize("resident_layers", [0, 1])
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed

@@ -188,8 +188,8 @@ def test_weight_decay_spares_biases_and_norms_unless_told_otherwise(tmp_path, no
     extra = [] if no_decay is None else ["--no-decay", no_decay]
     train.run(train.parse_args(["--out", out, "--device", "cpu-sim", "--steps", "2", "--batch-size", "2",
                                 "--seq-len", "16", "--weight-decay", "0.1", *extra]))
-    state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)
-    assert [g["weight_decay"] for g in state["engine"]["param_groups"]] == decays
+    state = torch.load(os.path.join(out, "checkpoint", "engine_state.pt"), weights_only=False)  # save_state's
+    assert [g["weight_decay"] for g in state["param_groups"]] == decays
 
 
 def test_trace_writes_the_engine_timeline_of_the_profiled_steps(tmp_path) -> None:

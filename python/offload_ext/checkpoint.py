@@ -67,20 +67,20 @@ def _read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a checkpoint: a file, or a directory with model.safetensors or a sharded
-    index (model.safetensors.index.json)."""
+def checkpoint_files(path: str, stem: str = "model") -> list[str]:
+    """The safetensors files of a checkpoint: a file, or a directory with <stem>.safetensors or a sharded
+    index (<stem>.safetensors.index.json)."""
     if os.path.isfile(path):
         return [path]
-    index = os.path.join(path, "model.safetensors.index.json")
+    index = os.path.join(path, f"{stem}.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(path, s) for s in shards]
-    single = os.path.join(path, "model.safetensors")
+    single = os.path.join(path, f"{stem}.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors "
+    raise FileNotFoundError(f"{path}: no {stem}.safetensors or {stem}.safetensors.index.json (only safetensors "
                             "checkpoints stream into the Offloader; convert others with save_pretrained(..., "
                             "safe_serialization=True))")
 
@@ -88,10 +88,10 @@ def checkpoint_files(path: str) -> list[str]:
 class SafetensorsCheckpoint:
     """The tensors of a safetensors checkpoint by name, each read on demand into a given buffer."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, stem: str = "model") -> None:
         self.path = path
         self.entries: dict[str, TensorEntry] = {}
-        for file in checkpoint_files(path):
+        for file in checkpoint_files(path, stem):
             self.entries.update(_read_header(file))
 
     def entry_for(self, names: list[str], shape: torch.Size) -> TensorEntry:
@@ -255,9 +255,10 @@ class TensorSource:
         return n
 
 
-def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_shard_bytes: int = 5 << 30) -> list[str]:
-    """Write `tensors` as model.safetensors, or as model-0000k-of-0000n.safetensors shards of at most
-    max_shard_bytes with a model.safetensors.index.json, one tensor in memory at a time. Each file is
+def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_shard_bytes: int = 5 << 30,
+                      stem: str = "model") -> list[str]:
+    """Write `tensors` as <stem>.safetensors, or as <stem>-0000k-of-0000n.safetensors shards of at most
+    max_shard_bytes with a <stem>.safetensors.index.json, one tensor in memory at a time. Each file is
     written under a .partial name and renamed when complete, so a failure leaves no file half-written
     under its real name. Returns the files written."""
     for name, src in tensors:
@@ -265,8 +266,8 @@ def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_sh
             raise ValueError(f"write_safetensors: tensor {name!r} has dtype {src.dtype}; expected one of "
                              f"{', '.join(map(str, _NAMES))}")
     shards = _shards(tensors, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = ([f"{stem}.safetensors"] if len(shards) == 1 else
+             [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     os.makedirs(path, exist_ok=True)
     done = []
     try:
@@ -276,10 +277,10 @@ def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_sh
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(src.nbytes for _, src in tensors)},
                      "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard}}
-            with open(os.path.join(path, "model.safetensors.index.json.partial"), "w") as f:
+            index_path = os.path.join(path, f"{stem}.safetensors.index.json")
+            with open(index_path + ".partial", "w") as f:
                 json.dump(index, f, indent=2)
-            os.replace(os.path.join(path, "model.safetensors.index.json.partial"),
-                       os.path.join(path, "model.safetensors.index.json"))
+            os.replace(index_path + ".partial", index_path)
     except BaseException:
         for file in names:
             with contextlib.suppress(FileNotFoundError):

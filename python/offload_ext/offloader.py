@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from .backends import Backend, Hyper, LayerBuffers, make_backend
-from .checkpoint import WeightSource, check_materialized, from_config_empty, from_pretrained_empty, write_safetensors
+from .checkpoint import (
+    SafetensorsCheckpoint,
+    WeightSource,
+    check_materialized,
+    from_config_empty,
+    from_pretrained_empty,
+    write_safetensors,
+)
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath, sums_on_device
@@ -35,9 +42,20 @@ from .layers import (
 from .layout import Layout, Part, hedged_units, plan_layout, speculative_units
 from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
-from .state import check_state, host_state, load_host_state, model_weights, span_names, weight_sources
+from .state import (
+    check_state,
+    host_sources,
+    host_state,
+    load_host_state,
+    model_weights,
+    read_host_state,
+    span_names,
+    weight_sources,
+)
 from .step_policy import StepPolicy
 from .timeline import Timeline, span
+
+_STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
 
 def _sizes(parts: tuple[Part, ...]) -> list[tuple[int, int]]:
@@ -279,16 +297,45 @@ class Offloader(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         self._check_open()
         self._settle()
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {"step": self._step, "precision": self.precision, "param_groups": groups,
-                "spans": span_names(self.model, self.layout), "layers": host_state(self._host),
-                "outer": self._device_opt.state_dict()}
+        return {**self._small_state(), "layers": host_state(self._host)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_open()
         self._settle()
-        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups))
+        self._check_small_state(state)
         load_host_state(self._host, state["layers"])
+        self._load_small_state(state)
+
+    def save_state(self, path: str) -> None:
+        """state_dict() written to a directory without a copy of the host buffers in memory: they go to
+        engine_state.safetensors straight from where they live, the rest (step, groups, the device
+        optimizer) to engine_state.pt. load_state(path) reads it back."""
+        self._check_open()
+        self._settle()
+        write_safetensors(path, host_sources(self._host), stem=_STATE_STEM)
+        small = os.path.join(path, _STATE_STEM + ".pt")
+        torch.save(self._small_state(), small + ".partial")
+        os.replace(small + ".partial", small)
+
+    def load_state(self, path: str) -> None:
+        """Restore what save_state(path) wrote, reading the host buffers straight into place; everything
+        is checked against this Offloader before any of it is written."""
+        self._check_open()
+        self._settle()
+        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=False)
+        self._check_small_state(state)
+        read_host_state(self._host, SafetensorsCheckpoint(path, stem=_STATE_STEM))
+        self._load_small_state(state)
+
+    def _small_state(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"step": self._step, "precision": self.precision, "param_groups": groups,
+                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict()}
+
+    def _check_small_state(self, state: dict[str, Any]) -> None:
+        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups))
+
+    def _load_small_state(self, state: dict[str, Any]) -> None:
         self._device_opt.load_state_dict(state["outer"])
         self._step = int(state["step"])
         for group, saved in zip(self.param_groups, state["param_groups"]):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .backends import LayerBuffers
-from .checkpoint import TensorSource
+from .checkpoint import SafetensorsCheckpoint, TensorSource
 from .layout import Layout
 
 _HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
@@ -17,6 +17,32 @@ _HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
 def host_state(host: list[LayerBuffers]) -> list[dict[str, torch.Tensor | None]]:
     """Copies of every unit's host buffers, in unit order."""
     return [{k: getattr(b, k).clone() if getattr(b, k) is not None else None for k in _HOST_KEYS} for b in host]
+
+
+def host_sources(host: list[LayerBuffers]) -> list[tuple[str, TensorSource]]:
+    """Every unit's host buffers as tensors to write, named layers.<unit>.<buffer>: views of the live
+    buffers, no copies."""
+    return [(f"layers.{i}.{k}", TensorSource(getattr(b, k).dtype, tuple(getattr(b, k).shape),
+                                             lambda t=getattr(b, k): t))
+            for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None]
+
+
+def read_host_state(host: list[LayerBuffers], checkpoint: SafetensorsCheckpoint) -> None:
+    """Read what host_sources wrote straight back into the live host buffers."""
+    expected = {f"layers.{i}.{k}" for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None}
+    if set(checkpoint.entries) != expected:
+        raise ValueError(f"Offloader: {checkpoint.path} holds {len(checkpoint.entries)} host buffers, this "
+                         f"Offloader has {len(expected)}: was the state made for another model or precision?")
+    pairs = [(checkpoint.entries[f"layers.{i}.{k}"], getattr(b, k), f"layers.{i}.{k}")
+             for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None]
+    for entry, dst, name in pairs:  # all checked before any buffer is written
+        if entry.shape != tuple(dst.shape) or entry.dtype != dst.dtype:
+            raise ValueError(f"Offloader: saved {name} is {entry.dtype} {list(entry.shape)}, the buffer "
+                             f"{dst.dtype} {list(dst.shape)}: was the state made for another model?")
+    for entry, dst, _ in pairs:
+        checkpoint.read_into(entry, dst)
+    for b in host:
+        b.mirror_frozen()
 
 
 def load_host_state(host: list[LayerBuffers], saved_units: list[dict[str, Any]]) -> None:

@@ -133,6 +133,7 @@ class Trainer:
         weights = None
         if self.off is not None:
             self.off.save_pretrained(ckpt)  # from the host buffers, a tensor at a time
+            self.off.save_state(ckpt)       # likewise: no copy of the engine's buffers in memory
         else:
             weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             # save_pretrained consumes the dict it is given; the trainer state keeps its own.
@@ -144,7 +145,7 @@ class Trainer:
         state = {
             "step": step,
             "data": stream.state(),
-            "engine": self.off.state_dict() if self.off is not None else None,
+            "engine": None,  # the Offloader's: engine_state.* beside this file (save_state)
             "optimizer": self.opt.state_dict() if self.opt is not None else None,
             "schedule": self.schedule.state_dict(),
             "model": weights,
@@ -165,8 +166,10 @@ class Trainer:
             if state["args"][key] != getattr(self.args, key):
                 raise UsageError(f"--resume: the checkpoint was made with --{key.replace('_', '-')} "
                                  f"{state['args'][key]}, this run has {getattr(self.args, key)}")
-        if self.off is not None:
+        if self.off is not None and state["engine"] is not None:  # made before save_state existed
             self.off.load_state_dict(state["engine"])
+        elif self.off is not None:
+            self.off.load_state(os.path.dirname(path))
         else:
             self.model.load_state_dict({k: v.to(self.device) for k, v in state["model"].items()}, strict=False)
             self.opt.load_state_dict(state["optimizer"])
