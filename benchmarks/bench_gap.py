@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import _common
 import offload_ext
-from bench_train import build_model
+from bench_train import build_real_model
 
 
 def parse() -> argparse.Namespace:
@@ -51,7 +51,7 @@ def gpu_seconds(fn: Callable[[], object], steps: int, warmup: int) -> float:
 
 def main() -> None:
     a = parse()
-    model = build_model(a).cuda()
+    model = build_real_model(a).cuda()
     offload_ext.enable_activation_checkpointing(model)
     model.train()
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).cuda()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import os
 import statistics
 import time
@@ -50,7 +51,7 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
-from offload_ext.checkpoint import parameters_on_meta, tile_random
+from offload_ext.checkpoint import make_real, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -62,6 +63,9 @@ PRESETS = {
                untied=False),
     "b2": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=2, seq=4096,
                untied=True),
+    # Qwen2.5-14B's shape: a Qwen2 model (biased q/k/v projections), rope theta 1e6
+    "qwen-14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, batch=1,
+                     seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
@@ -112,6 +116,7 @@ def parse() -> argparse.Namespace:
     for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab", "batch", "seq"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--untied", action="store_true", default=None, help="untied embeddings (B2's default)")
+    ap.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="the model class (qwen-14b: qwen2)")
     ap.add_argument("--gpu-cap-gb", type=float, default=None,
                     help="cap the offloaded modes' GPU memory (resident modes run uncapped)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -129,7 +134,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--stem", default=None)
     a = ap.parse_args()
-    for key, value in PRESETS[a.preset].items():
+    for key, value in {"arch": "llama", **PRESETS[a.preset]}.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     return a
@@ -138,38 +143,69 @@ def parse() -> argparse.Namespace:
 _BLOCK = 1 << 24  # pre-drawn N(0, 1) values a matrix is tiled from
 
 
-def build_model(a: argparse.Namespace) -> torch.nn.Module:
-    """A random-init bf16 Llama built with its parameters on the meta device, then filled on the host:
-    N(0, initializer_range) for matrices and embeddings (tiled from one pre-drawn block), ones for the
-    norms, as HF's Llama init, in seconds (HF's own init of the 1.24 B shape takes about a minute on the
-    GPU machine's host). Tied weights stay tied: each shared Parameter is filled once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+class TiledWeights:
+    """The benchmark models' weights, as a WeightSource: N(0, initializer_range) for matrices and
+    embeddings (tiled from one pre-drawn block, each parameter from a generator seeded by its name, so
+    every mode gets the same values whatever order it fills in), ones for norms, zeros for biases, as
+    HF's init; in seconds, where HF's own init of the 1.24 B shape takes about a minute on the GPU
+    machine's host. The offloaded modes fill the engine from it directly (no model on the host); the
+    others materialise the model from it."""
 
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
-                      rope_theta=500000.0)
+    thread_safe = True
+
+    def __init__(self, model: torch.nn.Module, std: float) -> None:
+        self.block = torch.randn(_BLOCK, generator=torch.Generator().manual_seed(0)).mul_(std).bfloat16()
+        self.names: dict[int, str] = {}
+        for name, p in model.named_parameters():  # a tied parameter under its first name
+            self.names.setdefault(id(p), name)
+
+    def fill(self, param: torch.nn.Parameter, dst: torch.Tensor) -> None:
+        name = self.names[id(param)]
+        if param.dim() > 1:
+            seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
+            tile_random(dst.view(-1), self.block, torch.Generator().manual_seed(seed))
+        else:
+            dst.fill_(0.0 if name.endswith("bias") else 1.0)
+
+    def materialize(self, param: torch.nn.Parameter, device: torch.device | str) -> None:
+        host = torch.empty(param.shape, dtype=torch.bfloat16)  # what the models train in
+        self.fill(param, host)
+        make_real(param, host.to(device))
+
+
+def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
+    """A bf16 Llama (or Qwen2) of the preset's shape with its parameters on the meta device, and its
+    weights (TiledWeights). Tied weights stay tied."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if a.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                     num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                     max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
+                     rope_theta=1e6 if a.arch == "qwen2" else 500000.0, use_cache=False)
     with parameters_on_meta():
-        model = LlamaForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(0)
-    block = torch.randn(_BLOCK, generator=gen).mul_(cfg.initializer_range).bfloat16()
-    filled: dict[int, torch.nn.Parameter] = {}  # meta parameter -> its host one, so ties survive
-    for module in model.modules():
-        for name, meta in module._parameters.items():
-            if meta is None:
-                continue
-            if id(meta) not in filled:
-                host = torch.empty(meta.shape, dtype=torch.bfloat16)
-                host.fill_(1.0) if meta.dim() == 1 else tile_random(host.view(-1), block, gen)
-                filled[id(meta)] = torch.nn.Parameter(host, requires_grad=meta.requires_grad)
-            module._parameters[name] = filled[id(meta)]
-    model.config.use_cache = False
+        model = model_cls(cfg)
+    return model, TiledWeights(model, cfg.initializer_range)
+
+
+def _materialize(model: torch.nn.Module, weights: TiledWeights) -> None:
+    for p in {id(p): p for p in model.parameters()}.values():
+        weights.materialize(p, "cpu")
+
+
+def build_real_model(a: argparse.Namespace) -> torch.nn.Module:
+    """build_model's model with its weights on the CPU (bf16 parameters, buffers as built)."""
+    model, weights = build_model(a)
+    _materialize(model, weights)
     return model
 
 
-def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
+def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
+           a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     """(model, Offloader or None, device optimizer or _deepspeed.ZeroRun or None) for `mode`, GPU memory
     capped for every offloaded mode (DeepSpeed's included)."""
+    if mode.backend in ("resident", "deepspeed"):
+        _materialize(model, weights)
     if a.device == "cuda":
         cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
         torch.cuda.set_per_process_memory_fraction(1.0 if mode.backend == "resident" else min(1.0, cap))
@@ -198,7 +234,7 @@ def _setup(mode: Mode, model: torch.nn.Module, a: argparse.Namespace) -> tuple[t
                                 grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
                                 speculative_clip="nospec" not in mode.options,
                                 accumulate_on_device=False if "hostsum" in mode.options else None,
-                                resident_layers=mode.option("r") or 0)
+                                resident_layers=mode.option("r") or 0, weights=weights)
     return model, off, None
 
 
@@ -258,10 +294,10 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
         raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} micro-batches")
     micro = list(tokens.chunk(mode.accum))
     t0 = time.perf_counter()
-    model = build_model(a)
+    model, weights = build_model(a)
     build = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model, off, opt = _setup(mode, model, a)
+    model, off, opt = _setup(mode, model, weights, a)
     _sync()
     setup = time.perf_counter() - t0
     model.train()
@@ -376,9 +412,10 @@ def main() -> None:
     modes = [Mode.parse(m) for m in a.modes.split(",") if m]
     # Each mode builds its own copy (the same seed, the same weights): no second host copy of the model
     # lives beside the one a mode trains (B2: 16 GB).
-    n_params = sum(p.numel() for p in build_model(a).parameters())
+    n_params = sum(p.numel() for p in build_model(a)[0].parameters())
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
-    print(f"{a.preset.upper()}: Llama {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
+    family = "Qwen2" if a.arch == "qwen2" else "Llama"
+    print(f"{a.preset.upper()}: {family} {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
           f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)
     memory = _common.HostMemoryLog(a.memory_log) if a.memory_log else None
     rows = []
