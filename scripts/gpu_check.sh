@@ -2,7 +2,8 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes (default: build test adamw train).
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load scratch-8b train-qwen (default: build test
+# adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
 # $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes, TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
@@ -131,6 +132,16 @@ for step in "${steps[@]}"; do
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \
         resident,native-mixed-whole,native-mixed,native-mixed-d16,native-mixed-whole,native-mixed,native-mixed-d16,native-bf16-whole,native-bf16 ;;
     gap) run gap python3 benchmarks/bench_gap.py ;;
+    load)  # issue 12: a checkpoint of LOAD_PRESET's shape (b2: 16 GB, written to /tmp once) streamed into the
+      # engine against transformers' load, each followed by one step: times and host RSS
+      run load python3 benchmarks/bench_load.py --preset "${LOAD_PRESET:-b2}" --device cuda --step "${LOAD_STEP:-1x4096}" ;;
+    scratch-8b)  # issue 12: offload-train from scratch on the 8B shape (drawn into the engine): time to the first step
+      OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b /usr/bin/time -v offload-train --model llama-8b --device cuda --steps 2 \
+        --batch-size 1 --seq-len 4096 --out /tmp/run_8b
+      cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl" ;;
+    train-qwen)  # issue 12: the Qwen2.5-14B shape under the 24 GB cap, host memory logged
+      run train_qwen python3 benchmarks/bench_train.py --preset qwen-14b --gpu-cap-gb 24 --steps 4 --warmup 2 \
+        --memory-log "$OUT/host_memory_qwen.log" --modes "${QWEN_MODES:-native-bf16}" ;;
     host-passes)  # each host pass alone per unit, as laid out in training (the engine's own buffer starts)
       run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
