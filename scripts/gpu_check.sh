@@ -136,7 +136,8 @@ for step in "${steps[@]}"; do
       # engine against transformers' load, each followed by one step: times and host RSS
       run load python3 benchmarks/bench_load.py --preset "${LOAD_PRESET:-b2}" --device cuda --step "${LOAD_STEP:-1x4096}" ;;
     scratch-8b)  # issue 12: offload-train from scratch on the 8B shape (drawn into the engine): time to the first step
-      OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b /usr/bin/time -v offload-train --model llama-8b --device cuda --steps 2 \
+      timed=(); [ -x /usr/bin/time ] && timed=(/usr/bin/time -v)  # its peak RSS, where the image has it
+      OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b "${timed[@]}" offload-train --model llama-8b --device cuda --steps 2 \
         --batch-size 1 --seq-len 4096 --out /tmp/run_8b
       cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl" ;;
     train-qwen)  # issue 12: the Qwen2.5-14B shape under the 24 GB cap, host memory logged
