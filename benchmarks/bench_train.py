@@ -51,7 +51,7 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
-from offload_ext.checkpoint import make_real, parameters_on_meta, tile_random
+from offload_ext.weights import make_real, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 import offload_ext
 from helpers import batches, offloaded_training, tiny_llama
 from offload_ext import testing
-from offload_ext.checkpoint import SafetensorsCheckpoint, parameters_on_meta
+from offload_ext.checkpoint import SafetensorsCheckpoint
+from offload_ext.weights import parameters_on_meta
 
 LR, WD = 1e-3, 0.01
 

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .backends import Backend, LayerBuffers
-from .checkpoint import WeightSource, make_real
 from .layout import Unit
+from .weights import WeightSource, make_real
 
 
 def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: bool = False,

@@ -27,7 +27,7 @@ def write_random_checkpoint(config: Any, path: str, std: float = 0.02, seed: int
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import parameters_on_meta, tile_random
+    from .weights import parameters_on_meta, tile_random
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

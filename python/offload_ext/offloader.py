@@ -20,14 +20,7 @@ import torch
 from torch import nn
 
 from .backends import Backend, Hyper, LayerBuffers, make_backend
-from .checkpoint import (
-    SafetensorsCheckpoint,
-    WeightSource,
-    check_materialized,
-    from_config_empty,
-    from_pretrained_empty,
-    write_safetensors,
-)
+from .checkpoint import SafetensorsCheckpoint, write_safetensors
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath, sums_on_device
@@ -54,6 +47,7 @@ from .state import (
 )
 from .step_policy import StepPolicy
 from .timeline import Timeline, span
+from .weights import WeightSource, check_materialized, from_config_empty, from_pretrained_empty
 
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 

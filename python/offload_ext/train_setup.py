@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .checkpoint import WeightSource, from_config_empty, from_pretrained_empty
 from .losses import resolve_loss_backend
+from .weights import WeightSource, from_config_empty, from_pretrained_empty
 
 BUILTIN = {
     # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab, model vocab or None)

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .checkpoint import WeightSource
 from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss
 from .param_groups import build_groups
 from .train_setup import UsageError
+from .weights import WeightSource
 
 
 def no_decay_patterns(args: argparse.Namespace) -> tuple[str, ...]:
