@@ -27,10 +27,10 @@ def write_random_checkpoint(config: Any, path: str, std: float = 0.02, seed: int
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .weights import parameters_on_meta, tile_random
+    from .weights import dtype_keyword, parameters_on_meta, tile_random
 
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): torch.bfloat16})
     gen = torch.Generator().manual_seed(seed)
     block = torch.randn(_BLOCK, generator=gen).mul_(std).bfloat16()
     tensors = {}
@@ -70,6 +70,7 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
 
     from .layers import enable_activation_checkpointing
     from .offloader import Offloader
+    from .weights import dtype_keyword
 
     t0 = time.perf_counter()
     baseline = _status_kb("VmRSS") * 1024
@@ -77,7 +78,7 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
         off = Offloader.from_pretrained(path, precision=precision, device=device)
         model = off.model
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **{dtype_keyword(): torch.bfloat16})
         off = Offloader(model, precision=precision, device=device)
     load_s = time.perf_counter() - t0
     out = {"via": via, "precision": precision, "device": device, "baseline_rss": baseline, "load_s": load_s}

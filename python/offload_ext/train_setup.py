@@ -10,7 +10,7 @@ import torch
 
 from . import data as data_mod
 from .losses import resolve_loss_backend
-from .weights import WeightSource, from_config_empty, from_pretrained_empty
+from .weights import WeightSource, dtype_keyword, from_config_empty, from_pretrained_empty
 
 BUILTIN = {
     # name: (hidden, layers, heads, kv heads, intermediate, tied, tokenizer vocab, model vocab or None)
@@ -97,14 +97,6 @@ def bf16_llama(cfg: Any) -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
-def _dtype_keyword() -> str:
-    """from_pretrained's dtype argument: `dtype` since transformers 4.56 (`torch_dtype` warns there)."""
-    import transformers
-    from packaging.version import Version
-
-    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-
-
 def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Module, WeightSource | None]:
     """The model, and with an offload backend the weights its meta parameters are filled from: the
     checkpoint's (--pretrained), or drawn by the model's init rule (--from-scratch), straight into the
@@ -139,7 +131,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Mod
                 return from_pretrained_empty(args.model)
             except (FileNotFoundError, KeyError, ValueError) as exc:
                 raise UsageError(f"--pretrained {args.model}: {exc}") from exc
-        return AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_keyword(): torch.bfloat16}), None
+        return AutoModelForCausalLM.from_pretrained(args.model, **{dtype_keyword(): torch.bfloat16}), None
     cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
     if args.backend != "none":
         return from_config_empty(cfg, seed=args.seed)

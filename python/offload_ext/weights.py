@@ -107,6 +107,14 @@ def make_real(param: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
+def dtype_keyword() -> str:
+    """from_pretrained's dtype argument: `dtype` since transformers 4.56 (`torch_dtype` warns there)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
 def check_materialized(model: nn.Module, weights: WeightSource | None) -> None:
     """Refuse a model with parameters on the meta device unless `weights` hold their values."""
     if weights is not None:
@@ -124,7 +132,7 @@ def from_config_empty(config: Any, dtype: torch.dtype = torch.bfloat16, seed: in
     from transformers import AutoModelForCausalLM
 
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): dtype})
     return model, InitWeights(model, seed)
 
 
@@ -142,7 +150,7 @@ def from_pretrained_empty(name_or_path: str,
     checkpoint = SafetensorsCheckpoint(path)  # raises first when there are no safetensors
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): dtype})
     return model, CheckpointWeights(checkpoint, model)
 
 
