@@ -48,7 +48,14 @@ def unwrap_layer(layer: nn.Module) -> None:
 # Newer transformers name HF checkpointing `activation_checkpointing_*` and warn on the older
 # `gradient_checkpointing_*` names; older releases have only those.
 
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (whose attribute forwarding reaches the deprecated
+    names), or the model itself."""
+    return model.get_base_model() if hasattr(type(model), "get_base_model") else model
+
+
 def hf_checkpointing_enabled(model: nn.Module) -> bool:
+    model = _transformers_model(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))
@@ -57,6 +64,7 @@ def hf_checkpointing_enabled(model: nn.Module) -> bool:
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """HF activation checkpointing (non-reentrant) on `model`, by whichever name its transformers has."""
+    model = _transformers_model(model)
     if hasattr(type(model), "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -64,6 +72,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def disable_activation_checkpointing(model: nn.Module) -> None:
+    model = _transformers_model(model)
     if hasattr(type(model), "activation_checkpointing_disable"):
         model.activation_checkpointing_disable()
     else:
