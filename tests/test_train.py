@@ -214,3 +214,25 @@ def test_a_model_this_host_cannot_hold_is_refused_before_allocation(tmp_path, ca
     _fails(["--out", str(tmp_path), "--model", "qwen-14b", "--device", "cpu-sim", "--backend", "native",
             "--steps", "1", "--batch-size", "1", "--seq-len", "64"],
            "the host buffers need 8", capsys)
+
+
+def test_lora_fine_tunes_a_pretrained_model_resumes_and_saves_an_adapter_peft_loads(tmp_path) -> None:
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trained = str(tmp_path / "trained")
+    train.run(train.parse_args(["--out", trained, *FAST]))
+    base = os.path.join(trained, "checkpoint")
+    lora = ["--model", base, "--pretrained", "--lora-r", "4", "--device", "cpu-sim", "--backend", "native",
+            "--batch-size", "4", "--seq-len", "32", "--steps", "6"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    train.run(train.parse_args(["--out", straight, *lora]))
+    train.run(train.parse_args(["--out", split, *lora, "--stop-after", "3"]))
+    train.run(train.parse_args(["--out", split, *lora, "--resume"]))
+    assert [r["loss"] for r in _metrics(split)] == [r["loss"] for r in _metrics(straight)]
+    adapter = os.path.join(straight, "checkpoint")
+    assert os.path.exists(os.path.join(adapter, "adapter_config.json"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    loaded = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert loaded and any(p.abs().sum() > 0 for p in loaded.values())  # B starts at zero: it was trained

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -357,10 +357,11 @@ class Offloader(torch.optim.Optimizer):
             generation.save_pretrained(path)
         return files
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights by name, as CPU tensors (streamed ones read from the host buffers)."""
+    def model_state_dict(self, include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        """The model's weights by name, as CPU tensors (streamed ones read from the host buffers); with
+        `include`, only the names it accepts are copied (a LoRA adapter out of a large model)."""
         self._settle()
-        return model_weights(self.model, self.layout, self._host)
+        return model_weights(self.model, self.layout, self._host, include)
 
     def stats(self) -> dict[str, Any]:
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}

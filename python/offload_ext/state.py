@@ -2,6 +2,7 @@
 restored, and the model's weights read back by name from where they live."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,8 +100,10 @@ def weight_sources(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -
     return out
 
 
-def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> dict[str, torch.Tensor]:
-    """The model's weights by name as CPU tensors: streamed ones copied from the host buffers."""
+def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers],
+                  include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights by name as CPU tensors: streamed ones copied from the host buffers; with
+    `include`, only the names it accepts."""
     streamed = {}
     for unit in layout.units:
         params = host[unit.index].params
@@ -108,8 +111,10 @@ def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers]) ->
             streamed[id(s.param)] = params[s.offset:s.offset + s.numel].view(s.shape)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        # copy=True: on the simulated device .cpu() would hand out the live tensor itself.
-        out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
+        if include is None or include(name):
+            # copy=True: on the simulated device .cpu() would hand out the live tensor itself.
+            out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
     for name, buf in model.named_buffers():
-        out[name] = buf.detach().to("cpu", copy=True)
+        if include is None or include(name):
+            out[name] = buf.detach().to("cpu", copy=True)
     return out

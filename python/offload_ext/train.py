@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from .lora import add_lora
 from .losses import BACKENDS
 from .timeline import Timeline
 from .train_setup import BUILTIN, UsageError, apply_defaults, build_model, build_stream, check_loss_args, resolve_device
@@ -59,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-decay", default="bias,norm",
                     help="comma-separated name parts: parameters whose name or module class contains one get no "
                          "weight decay (HF Trainer's rule: biases and norm weights); '' decays all")
+    ap.add_argument("--lora-r", type=int, default=None,
+                    help="train rank-R LoRA adapters (peft) instead of the whole model; the checkpoint is the adapter")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x --lora-r)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names to adapt")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="clip by the global gradient norm (native offload: host steps run speculatively during "
                          "backward and are redone exactly when the norm clips; metrics log 'clip')")
@@ -112,6 +117,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
     model, weights = build_model(args, vocab)
+    if args.lora_r is not None:
+        if args.lora_r < 1:
+            raise UsageError(f"--lora-r must be at least 1, got {args.lora_r}")
+        try:
+            model = add_lora(model, args.lora_r, args.lora_alpha or 2 * args.lora_r, args.lora_targets.split(","))
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--lora-r: {exc}") from exc
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise UsageError(f"--seq-len {args.seq_len} is above the model's maximum of {max_pos} positions")

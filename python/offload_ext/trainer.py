@@ -13,6 +13,7 @@ import torch
 
 from . import data as data_mod
 from .layers import enable_activation_checkpointing
+from .lora import is_adapter
 from .losses import causal_lm_loss
 from .param_groups import build_groups
 from .train_setup import UsageError
@@ -131,7 +132,10 @@ class Trainer:
         ckpt = os.path.join(self.args.out, "checkpoint")
         os.makedirs(ckpt, exist_ok=True)
         weights = None
-        if self.off is not None:
+        if self.off is not None and self.args.lora_r is not None:  # the adapter alone, as peft saves it
+            self.model.save_pretrained(ckpt, state_dict=self.off.model_state_dict(include=is_adapter))
+            self.off.save_state(ckpt)
+        elif self.off is not None:
             self.off.save_pretrained(ckpt)  # from the host buffers, a tensor at a time
             self.off.save_state(ckpt)       # likewise: no copy of the engine's buffers in memory
         else:
