@@ -6,13 +6,14 @@ Each row: the load's time, the first training step's end (with --step) and the c
 its peak resident memory, its resident memory before the load, the engine's own state (pinned and
 pageable pools; on the simulated device the device parameters too) and the peak's growth over it.
 
-    python benchmarks/bench_load.py --preset 0.4b                      # the CI test's shape, simulated device
+    python benchmarks/bench_load.py --preset 0.4b --train-steps 2      # the CI test's shape, simulated device
     python benchmarks/bench_load.py --preset b2 --device cuda --step 1x4096
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 
 import torch
 from transformers import LlamaConfig
@@ -35,6 +36,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--precisions", default="bf16")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--step", default=None, help="BATCHxSEQ: one training step after each load")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also run offload-train --pretrained for this many steps on the checkpoint (batch 1 x 128) "
+                         "under /usr/bin/time -v: the whole run's peak RSS")
     ap.add_argument("--stem", default=None)
     return ap.parse_args()
 
@@ -45,6 +49,26 @@ def config(preset: str) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                        num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
                        max_position_embeddings=8192, rope_theta=500000.0, use_cache=False)
+
+
+def offload_train_peak(path: str, device: str, steps: int) -> dict[str, float]:
+    """offload-train --pretrained on the checkpoint (a small tokenizer trained into it first, once): the
+    whole run's wall time and peak RSS as /usr/bin/time -v reports them."""
+    from offload_ext import data
+
+    data.train_tokenizer(data.stdlib_corpus(max_bytes=1 << 20), 1024, os.path.join(path, "tokenizer.json"))
+    out = os.path.join(path, "offload_train_run")
+    cmd = ["/usr/bin/time", "-v", "offload-train", "--out", out, "--model", path, "--pretrained", "--device",
+           "cpu-sim" if device == "cpu" else device, "--backend", "native", "--steps", str(steps), "--batch-size", "1",
+           "--seq-len", "128"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OFFLOAD_TRAIN_NO_BAR": "1"},
+                         check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    fields = dict(line.strip().rsplit(": ", 1) for line in run.stderr.splitlines() if ": " in line)
+    wall = fields["Elapsed (wall clock) time (h:mm:ss or m:ss)"].split(":")
+    return {"peak_rss": int(fields["Maximum resident set size (kbytes)"]) * 1024,
+            "wall_s": sum(float(x) * 60 ** k for k, x in enumerate(reversed(wall)))}
 
 
 def main() -> None:
@@ -69,6 +93,13 @@ def main() -> None:
                     f"{growth:.2f}x |")
             print(line, flush=True)
             md.append(line)
+    if a.train_steps:
+        r = offload_train_peak(path, a.device, a.train_steps)
+        rows.append({"via": "offload-train", **r})
+        line = (f"| offload-train, {a.train_steps} steps | bf16 | - | - | {r['wall_s']:.1f} | "
+                f"{r['peak_rss'] / gb:.2f} | - | - | - |")
+        print(line, flush=True)
+        md.append(line)
     for p in _common.write_results(a.stem or f"load_{a.preset}", {"preset": a.preset, "rows": rows}, "\n".join(md)):
         print("wrote", p)
 
