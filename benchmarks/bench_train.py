@@ -51,7 +51,7 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
-from offload_ext.weights import make_real, parameters_on_meta, tile_random
+from offload_ext.weights import materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -152,6 +152,7 @@ class TiledWeights:
     others materialise the model from it."""
 
     thread_safe = True
+    materialize_dtype = torch.bfloat16  # what the models train in
 
     def __init__(self, model: torch.nn.Module, std: float) -> None:
         self.block = torch.randn(_BLOCK, generator=torch.Generator().manual_seed(0)).mul_(std).bfloat16()
@@ -166,11 +167,6 @@ class TiledWeights:
             tile_random(dst.view(-1), self.block, torch.Generator().manual_seed(seed))
         else:
             dst.fill_(0.0 if name.endswith("bias") else 1.0)
-
-    def materialize(self, param: torch.nn.Parameter, device: torch.device | str) -> None:
-        host = torch.empty(param.shape, dtype=torch.bfloat16)  # what the models train in
-        self.fill(param, host)
-        make_real(param, host.to(device))
 
 
 def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
@@ -190,7 +186,7 @@ def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
 
 def _materialize(model: torch.nn.Module, weights: TiledWeights) -> None:
     for p in {id(p): p for p in model.parameters()}.values():
-        weights.materialize(p, "cpu")
+        materialize(weights, p, "cpu")
 
 
 def build_real_model(a: argparse.Namespace) -> torch.nn.Module:

@@ -47,7 +47,7 @@ from .state import (
 )
 from .step_policy import StepPolicy
 from .timeline import Timeline, span
-from .weights import WeightSource, check_materialized, from_config_empty, from_pretrained_empty
+from .weights import WeightSource, check_materialized, from_config_empty, from_pretrained_empty, materialize
 
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
@@ -127,7 +127,7 @@ class Offloader(torch.optim.Optimizer):
         t0 = time.perf_counter()
         for p in self.layout.device_params:  # before the host buffers: what it reads on the way is freed first
             if p.is_meta:
-                weights.materialize(p, self.device)
+                materialize(weights, p, self.device)
         self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
         t1 = time.perf_counter()
         # The part outside the stacks has its own gradient buffer; layers may share a staging ring.

@@ -20,22 +20,24 @@ def host_state(host: list[LayerBuffers]) -> list[dict[str, torch.Tensor | None]]
     return [{k: getattr(b, k).clone() if getattr(b, k) is not None else None for k in _HOST_KEYS} for b in host]
 
 
+def _named_host_buffers(host: list[LayerBuffers]) -> list[tuple[str, torch.Tensor]]:
+    """Every unit's live host buffers, named layers.<unit>.<buffer>."""
+    return [(f"layers.{i}.{k}", getattr(b, k)) for i, b in enumerate(host) for k in _HOST_KEYS
+            if getattr(b, k) is not None]
+
+
 def host_sources(host: list[LayerBuffers]) -> list[tuple[str, TensorSource]]:
-    """Every unit's host buffers as tensors to write, named layers.<unit>.<buffer>: views of the live
-    buffers, no copies."""
-    return [(f"layers.{i}.{k}", TensorSource(getattr(b, k).dtype, tuple(getattr(b, k).shape),
-                                             lambda t=getattr(b, k): t))
-            for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None]
+    """Every unit's host buffers as tensors to write: views of the live buffers, no copies."""
+    return [(name, TensorSource(t.dtype, tuple(t.shape), lambda t=t: t)) for name, t in _named_host_buffers(host)]
 
 
 def read_host_state(host: list[LayerBuffers], checkpoint: SafetensorsCheckpoint) -> None:
     """Read what host_sources wrote straight back into the live host buffers."""
-    expected = {f"layers.{i}.{k}" for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None}
-    if set(checkpoint.entries) != expected:
+    buffers = _named_host_buffers(host)
+    if set(checkpoint.entries) != {name for name, _ in buffers}:
         raise ValueError(f"Offloader: {checkpoint.path} holds {len(checkpoint.entries)} host buffers, this "
-                         f"Offloader has {len(expected)}: was the state made for another model or precision?")
-    pairs = [(checkpoint.entries[f"layers.{i}.{k}"], getattr(b, k), f"layers.{i}.{k}")
-             for i, b in enumerate(host) for k in _HOST_KEYS if getattr(b, k) is not None]
+                         f"Offloader has {len(buffers)}: was the state made for another model or precision?")
+    pairs = [(checkpoint.entries[name], dst, name) for name, dst in buffers]
     for entry, dst, name in pairs:  # all checked before any buffer is written
         if entry.shape != tuple(dst.shape) or entry.dtype != dst.dtype:
             raise ValueError(f"Offloader: saved {name} is {entry.dtype} {list(entry.shape)}, the buffer "
@@ -79,22 +81,24 @@ def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], g
                          "another model); build the Offloader with the same groups / no_decay as the saved one")
 
 
+def _streamed_views(layout: Layout, host: list[LayerBuffers]) -> dict[int, torch.Tensor]:
+    """Per streamed parameter (by id), the view of its span in its unit's live host params."""
+    return {id(s.param): host[unit.index].params[s.offset:s.offset + s.numel].view(s.shape)
+            for unit in layout.units for s in unit.spans}
+
+
 def weight_sources(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> list[tuple[str, TensorSource]]:
     """The model's state_dict entries by name, each tensor once (a tied one under its first name), as
     sources that give each value when asked: a view of its host span, or a CPU copy of a device tensor."""
-    streamed = {}
-    for unit in layout.units:
-        for s in unit.spans:
-            streamed[id(s.param)] = (host[unit.index], s)
+    streamed = _streamed_views(layout, host)
     out, seen = [], set()
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameter objects themselves
         if id(t) in seen:
             continue
         seen.add(id(t))
         if id(t) in streamed:
-            buffers, s = streamed[id(t)]
-            out.append((name, TensorSource(torch.bfloat16, tuple(s.shape),
-                                           lambda b=buffers, s=s: b.params[s.offset:s.offset + s.numel].view(s.shape))))
+            view = streamed[id(t)]
+            out.append((name, TensorSource(view.dtype, tuple(view.shape), lambda v=view: v)))
         else:
             out.append((name, TensorSource(t.dtype, tuple(t.shape), lambda t=t: t.detach().cpu().contiguous())))
     return out
@@ -104,11 +108,7 @@ def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers],
                   include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The model's weights by name as CPU tensors: streamed ones copied from the host buffers; with
     `include`, only the names it accepts."""
-    streamed = {}
-    for unit in layout.units:
-        params = host[unit.index].params
-        for s in unit.spans:
-            streamed[id(s.param)] = params[s.offset:s.offset + s.numel].view(s.shape)
+    streamed = _streamed_views(layout, host)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if include is None or include(name):

@@ -24,10 +24,10 @@ class WeightSource(Protocol):
     """Values for a model's meta parameters, each given when the buffer that will hold it exists."""
 
     thread_safe: bool  # fill() may run on several threads at once (for different parameters)
+    materialize_dtype: torch.dtype | None  # what materialize() gives a parameter (None: its own dtype)
 
     def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None: ...
 
-    def materialize(self, param: nn.Parameter, device: torch.device) -> None: ...
 
 
 class CheckpointWeights:
@@ -35,6 +35,7 @@ class CheckpointWeights:
     names, for tied ones) and shape-checked when this is built, before anything is allocated."""
 
     thread_safe = True  # each read opens the file for itself
+    materialize_dtype = None
 
     def __init__(self, checkpoint: SafetensorsCheckpoint, model: nn.Module) -> None:
         self.checkpoint = checkpoint
@@ -49,11 +50,6 @@ class CheckpointWeights:
         """Write the parameter's values into a contiguous CPU tensor of its size, in dst's dtype."""
         self.checkpoint.read_into(self._entries[id(param)], dst)
 
-    def materialize(self, param: nn.Parameter, device: torch.device) -> None:
-        """Give a meta parameter its values on `device`, in its own dtype."""
-        host = torch.empty(param.shape, dtype=param.dtype)
-        self.fill(param, host)
-        make_real(param, host.to(device))
 
 
 class InitWeights:
@@ -62,6 +58,7 @@ class InitWeights:
     real, initialised together, and handed out one by one, so at most one module's are held at once."""
 
     thread_safe = False  # a module is drawn whole, with the process's RNG
+    materialize_dtype = None
 
     def __init__(self, model: nn.Module, seed: int = 0) -> None:
         if not hasattr(model, "_init_weights"):
@@ -95,10 +92,13 @@ class InitWeights:
             self._draw(self.owner[id(param)][0])
         dst.view(-1).copy_(self._ready.pop(id(param)).reshape(-1))
 
-    def materialize(self, param: nn.Parameter, device: torch.device) -> None:
-        host = torch.empty(param.shape, dtype=param.dtype)
-        self.fill(param, host)
-        make_real(param, host.to(device))
+
+
+def materialize(weights: WeightSource, param: nn.Parameter, device: torch.device | str) -> None:
+    """Give a meta parameter its values from `weights` on `device`."""
+    host = torch.empty(param.shape, dtype=weights.materialize_dtype or param.dtype)
+    weights.fill(param, host)
+    make_real(param, host.to(device))
 
 
 def make_real(param: nn.Parameter, value: torch.Tensor) -> None:

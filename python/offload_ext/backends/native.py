@@ -216,19 +216,18 @@ class NativeBackend(Backend):
         """Whether the first second buffer is page-locked: "bf16" copies params from it once swapped."""
         return self.precision != "mixed"
 
-    def _second_buffer_bytes(self, sizes: list[tuple[int, int]], pinned: bool | None = None) -> int:
+    def _second_buffer_bytes(self, sizes: list[tuple[int, int]], pageable_only: bool = False) -> int:
         """Host bytes of speculative clipping's second buffers (whole params or the master, both moments);
-        pinned=True/False: the page-locked or the pageable part alone."""
+        pageable_only: without "bf16"'s page-locked second params (the pinned blocks count those)."""
         total = 0
         for i, (n, t) in enumerate(sizes):
             if i not in self._speculative_units:
                 continue
-            first = 2 * n if self._pinned_second() else 4 * t
-            moments = 2 * self._state_bytes() * t
-            if pinned is None or pinned == self._pinned_second():
-                total += first
-            if pinned is not True:
-                total += moments
+            total += 2 * self._state_bytes() * t
+            if not self._pinned_second():
+                total += 4 * t  # the fp32 master
+            elif not pageable_only:
+                total += 2 * n
         return total
 
     def _pageable_bytes(self, sizes: list[tuple[int, int]]) -> int:
@@ -236,7 +235,7 @@ class NativeBackend(Backend):
         per = 2 * self._state_bytes() + (4 if self.precision == "mixed" else 0)  # moments, fp32 master
         per += 2 if self.accumulate and not self._keep_grads else 0                # the bf16 accumulator
         trainable = sum(t for _, t in sizes)
-        return per * trainable + self._second_buffer_bytes(sizes, pinned=False)
+        return per * trainable + self._second_buffer_bytes(sizes, pageable_only=True)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
