@@ -678,19 +678,24 @@ def _host_jobs(off, model, data) -> dict[int, set[str]]:
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e6, 1e-3])
-def test_all_layers_but_the_lowest_speculate_and_after_a_redo_only_the_top_three_quarters(max_grad_norm) -> None:
-    # The lowest layer lands when the norm is known: it waits for it and steps once. After a step that
-    # clipped, the lowest quarter waits too: clipping tends to trigger again, and a wasted speculative
-    # step at the end of backward would delay the redos the next forward needs.
+def test_every_layer_speculates_and_after_a_redo_only_the_top_three_quarters(max_grad_norm) -> None:
+    # The lowest layer lands last: its step is queued as its copy lands and, held once the norm is known,
+    # steps once in place, or runs speculatively if it started first. After a step that clipped, the lowest
+    # quarter waits for the norm: clipping tends to trigger again, and a wasted speculative step at the end
+    # of backward would delay the redos the next forward needs.
     model = tiny_llama(layers=8)
     off = offload_ext.Offloader(model, backend="native", device="cpu", max_grad_norm=max_grad_norm)
     jobs = _host_jobs(off, model, batches(3))
     off.close()
     expected = set(range(1, 8)) if max_grad_norm > 1 else set(range(2, 8))
-    assert {u for u, names in jobs.items() if "speculative step" in names} == expected
+    speculated = {u for u, names in jobs.items() if "speculative step" in names}
+    assert speculated - {0} == expected
     # A speculating unit's norm is taken on the device, before its copy: no host pass for it.
     assert all("norm" not in jobs[u] for u in expected)
-    assert all(names == {"norm", "scale + step"} for u, names in jobs.items() if u not in expected)
+    if max_grad_norm > 1:
+        assert "norm" not in jobs[0] and jobs[0] <= {"speculative step", "scale + step"}, jobs[0]
+    else:
+        assert all(names == {"norm", "scale + step"} for u, names in jobs.items() if u not in expected)
     assert off.last_clip_action == ("committed" if max_grad_norm > 1 else "redone")
 
 
@@ -708,8 +713,9 @@ def test_once_the_norm_is_known_no_speculative_step_starts_and_the_held_ones_ste
         losses += offloaded_training(off, model, data[-1:])
     off.close()
     host = [e for e in timeline.events if e[0] == "host step"]
-    last_norm_end = max(end for _, name, _, end, _ in host if name.startswith("norm"))
-    assert all(begin < last_norm_end for _, name, begin, _, _ in host if name.startswith("speculative step"))
+    # The norm is known inside step(); a host step's event begins after the slice's injected 20 ms sleep.
+    step_end = max(end for lane, name, _, end, _ in timeline.events if (lane, name) == ("python", "step"))
+    assert all(begin < step_end + 20_000_000 for _, name, begin, _, _ in host if name.startswith("speculative step"))
     in_place = {u for _, name, _, _, u in host if name.startswith("scale + step")}
     assert in_place - {0}, in_place  # speculative units held, then stepped in place
     assert losses == ref_losses and off.last_clip_action == "committed"
@@ -731,7 +737,7 @@ def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_ho
     pinned = 8 * 2 * (2 * per_layer + (8 << 10))  # each layer's params and its kept gradient
     monkeypatch.setattr(native, "available_host_bytes", lambda: pinned + stats["host_in_use"] - 21 * per_layer)
     model = copy.deepcopy(base)
-    with pytest.warns(UserWarning, match=r"second buffers for \d of 7 speculative units"):
+    with pytest.warns(UserWarning, match=r"second buffers for \d of 8 speculative units"):
         off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=1e-3)
     jobs = _host_jobs(off, model, data)
     off.close()

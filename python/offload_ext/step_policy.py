@@ -65,7 +65,8 @@ class StepPolicy:
         summed in float64), then the host steps; otherwise the host steps are already under way."""
         if self.max_grad_norm is None:
             return
-        sq = backend.grad_sq_norm() + sum(float(g.double().pow(2).sum()) for g in device_grads)
+        on_device = backend.device_sq_norm(device_grads)  # queued first: it runs while the host norms are awaited
+        sq = backend.grad_sq_norm() + float(on_device)
         self.last_grad_norm = math.sqrt(sq)
         scale = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
         backend.clipped_step(scale)
@@ -74,8 +75,9 @@ class StepPolicy:
             self.last_clip_action = "redone" if clipped else "committed"
         else:
             self.last_clip_action = "clipped" if clipped else "unclipped"
-        for g in device_grads:
-            g.mul_(scale)
+        if scale != 1.0:  # x * 1.0 is x: the unclipped step skips a pass over every device gradient
+            for g in device_grads:
+                g.mul_(scale)
 
     def end_step(self) -> None:
         self.micro = 0

@@ -120,6 +120,14 @@ class Backend(ABC):
         step clips gradients) only accumulate the layers' gradients on the host."""
         self._first_micro, self._last_micro = first, last
 
+    def device_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | float:
+        """The float64 sum of squares over gradients on the device (the parameters kept there), queued
+        without a sync (the caller reads it after the host norms): clip_grad_norm_'s rule, squares summed
+        in float64."""
+        if not grads:
+            return 0.0
+        return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+
     def grad_sq_norm(self) -> float:
         """Sum of squares of the accumulated gradients of the layers flushed since the first micro-batch."""
         raise NotImplementedError(f"{type(self).__name__} cannot clip gradients")

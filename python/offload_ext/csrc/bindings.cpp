@@ -140,6 +140,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reserve_pinned", &Engine::reserve_pinned, py::arg("bytes"), Release())
       .def("reserve_pinned_blocks", &Engine::reserve_pinned_blocks, py::arg("blocks"), Release(),
            "Page-lock slabs that hold exactly these blocks (bytes each), to be taken by pinned_empty.")
+      .def("reserve_host_blocks", &Engine::reserve_host_blocks, py::arg("blocks"), Release(),
+           "Fault in pageable slabs that hold exactly these blocks (bytes each), to be taken by host_empty "
+           "and host_zeros.")
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
            py::arg("job") = Job::kStep, py::arg("trace_unit") = -1, py::arg("then_step") = false,

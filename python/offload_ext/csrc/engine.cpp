@@ -105,13 +105,23 @@ at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
 
 void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
 
-void Engine::reserve_pinned_blocks(const std::vector<int64_t>& blocks) {
+namespace {
+std::vector<size_t> block_sizes(const char* who, const std::vector<int64_t>& blocks) {
   std::vector<size_t> sizes;
   for (int64_t b : blocks) {
-    TORCH_CHECK(b >= 0, "Engine.reserve_pinned_blocks: expected block sizes >= 0, got ", num(b));
+    TORCH_CHECK(b >= 0, "Engine.", who, ": expected block sizes >= 0, got ", num(b));
     sizes.push_back(static_cast<size_t>(b));
   }
-  pinned_->reserve_blocks(sizes);
+  return sizes;
+}
+}  // namespace
+
+void Engine::reserve_pinned_blocks(const std::vector<int64_t>& blocks) {
+  pinned_->reserve_blocks(block_sizes("reserve_pinned_blocks", blocks));
+}
+
+void Engine::reserve_host_blocks(const std::vector<int64_t>& blocks) {
+  host_->reserve_blocks(block_sizes("reserve_host_blocks", blocks));
 }
 
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,

@@ -32,6 +32,8 @@ class Engine {
   at::Tensor host_zeros(int64_t numel, at::ScalarType dtype);
   void reserve_pinned(int64_t bytes);
   void reserve_pinned_blocks(const std::vector<int64_t>& blocks);
+  // The pageable pool's counterpart: slabs holding exactly these blocks, faulted in on set-up threads.
+  void reserve_host_blocks(const std::vector<int64_t>& blocks);
   PinnedStats pinned_stats() const { return pinned_->stats(); }
   PinnedStats host_stats() const { return host_->stats(); }
 

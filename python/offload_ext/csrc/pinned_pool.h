@@ -41,7 +41,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
  private:
   struct Slab;
-  void add_slabs(const std::vector<size_t>& sizes);  // requires mutex_
+  // requires mutex_; touch: fault the pages in on the slab's thread (before page-locking, if any)
+  void add_slabs(const std::vector<size_t>& sizes, bool touch);
   void release(char* ptr, size_t bytes);
 
   const bool page_lock_;
