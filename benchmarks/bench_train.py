@@ -15,7 +15,9 @@ speculative_clip=False, hostsum for accumulate_on_device=False (micro-batches su
 default on the GPU when the sums fit). The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
-per step). Each offloaded mode's ratio is to the resident mode of the same recipe when the run has one.
+per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
+the adapters trained). Each offloaded mode's ratio is to the resident mode of the same recipe when the run
+has one.
 The host busy column is the engine's stepping time per step; step minus busy is the time the host had
 nothing to step.
 
@@ -51,6 +53,7 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
+from offload_ext.lora import add_lora
 from offload_ext.weights import materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
@@ -68,6 +71,7 @@ PRESETS = {
                      seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
 
@@ -80,6 +84,7 @@ class Mode:
     options: tuple[str, ...] = ()  # tN, gN, dN, rN, whole, sync, nospec, hostsum
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
+    lora: int | None = None        # LoRA rank
 
     @classmethod
     def parse(cls, name: str) -> "Mode":
@@ -91,19 +96,20 @@ class Mode:
             precision, rest = rest[0], rest[1:]
         clip = next((o for o in rest if o in CLIP_NORMS), None)
         accum = next((int(o[5:]) for o in rest if o.startswith("accum")), 1)
-        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith("accum"))
-        if backend == "deepspeed" and (options or precision not in _deepspeed.PRECISIONS):
+        lora = next((int(o[4:]) for o in rest if o.startswith("lora") and o[4:].isdigit()), None)
+        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith(("accum", "lora")))
+        if backend == "deepspeed" and (options or lora or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
-                             "and recipe suffixes only")
-        return cls(name, backend, precision, options, clip, accum)
+                             "and the clip and accum suffixes only")
+        return cls(name, backend, precision, options, clip, accum, lora)
 
     def option(self, prefix: str) -> int | None:
         return next((int(o[len(prefix):]) for o in self.options if o.startswith(prefix) and o[len(prefix):].isdigit()),
                     None)
 
     @property
-    def recipe(self) -> tuple[str | None, int]:
-        return self.clip, self.accum
+    def recipe(self) -> tuple[str | None, int, int | None]:
+        return self.clip, self.accum, self.lora
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -186,7 +192,8 @@ def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
 
 def _materialize(model: torch.nn.Module, weights: TiledWeights) -> None:
     for p in {id(p): p for p in model.parameters()}.values():
-        materialize(weights, p, "cpu")
+        if p.is_meta:  # LoRA adapters are real already
+            materialize(weights, p, "cpu")
 
 
 def build_real_model(a: argparse.Namespace) -> torch.nn.Module:
@@ -211,8 +218,9 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
-        return model, None, torch.optim.AdamW(model.parameters(), lr=a.lr, betas=BETAS, eps=EPS,
-                                              weight_decay=WEIGHT_DECAY, fused=True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, None, torch.optim.AdamW(trainable, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                              fused=True)
     if mode.backend == "deepspeed":
         if a.compile:
             raise RuntimeError("deepspeed modes do not take --compile")
@@ -291,6 +299,8 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
     micro = list(tokens.chunk(mode.accum))
     t0 = time.perf_counter()
     model, weights = build_model(a)
+    if mode.lora:
+        model = add_lora(model, mode.lora, 2 * mode.lora, LORA_TARGETS)
     build = time.perf_counter() - t0
     t0 = time.perf_counter()
     model, off, opt = _setup(mode, model, weights, a)

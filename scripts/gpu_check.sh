@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load scratch-8b train-qwen (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load scratch-8b train-qwen train-lora (default: build test
 # adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
@@ -143,6 +143,9 @@ for step in "${steps[@]}"; do
     train-qwen)  # issue 12: the Qwen2.5-14B shape under the 24 GB cap, host memory logged
       run train_qwen python3 benchmarks/bench_train.py --preset qwen-14b --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --memory-log "$OUT/host_memory_qwen.log" --modes "${QWEN_MODES:-native-bf16}" ;;
+    train-lora)  # issue 12: LoRA r=16 on the 8B shape, offloaded under the 24 GB cap beside GPU-resident LoRA (uncapped)
+      run train_lora python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
+        --stem train_b2_lora --modes "${LORA_MODES:-resident-lora16,native-bf16-lora16}" ;;
     host-passes)  # each host pass alone per unit, as laid out in training (the engine's own buffer starts)
       run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
