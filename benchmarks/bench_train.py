@@ -390,10 +390,11 @@ def _table_line(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
     if "error" in r:  # the reason in place of the numbers; markdown-safe on one line
         reason = " ".join(r["error"].split()).replace("|", "\\|")
         return f"| {r['mode']} | not run: {reason} |" + " - |" * 8
-    ratio = r["step_s"] / peer["step_s"] if peer and "error" not in peer else float("nan")
+    ratio = r["step_s"] / peer["step_s"] if peer and "error" not in peer else None
     r["time_ratio_vs_resident"], r["resident_peer"] = ratio, peer["mode"] if peer else None
     frac = f"{r['clipped_fraction']:.0%}" if r["clipped_fraction"] is not None else "-"
-    return (f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {ratio:.3f}x | "
+    shown = f"{ratio:.3f}x" if ratio is not None else "-"
+    return (f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {shown} | "
             f"{r['forward_s']:.4f} | {_num(r['step_wait_s'])} | {_num(r['host_busy_s'])} | {r['setup_s']:.2f} | "
             f"{r['gpu_peak_gb']:.2f} | {frac} |")
 
@@ -431,6 +432,9 @@ def main() -> None:
         rows.append(run_mode(m, a, tokens))
         if memory:
             rows[-1]["host_rss_peak_gb"] = memory.peak()
+        # The row's table line at once (peers that ran before it): a run cut short keeps its lines in the log.
+        done = {mm.recipe: r for mm, r in zip(modes, rows) if mm.backend == "resident"}
+        print(_table_line(dict(rows[-1]), done.get(m.recipe)), flush=True)
     if memory:
         memory.close()
     residents = {m.recipe: r for m, r in zip(modes, rows) if m.backend == "resident"}
