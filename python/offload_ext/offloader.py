@@ -341,7 +341,8 @@ class Offloader(torch.optim.Optimizer):
         """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
         module's weights drawn by the model's own init rule straight into the host buffers and the device,
         the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
-        model, weights = from_config_empty(config, seed=seed)
+        # Drawn on the training device: a GPU draws 8 B parameters in seconds, the CPU took minutes (run 35).
+        model, weights = from_config_empty(config, seed=seed, device=resolve_device(kwargs.get("device", "cuda")))
         return cls(model, weights=weights, **kwargs)
 
     def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:

@@ -96,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.perf_counter()  # metrics' elapsed_s: set-up (model, data, engine) counts
     device, simulated = resolve_device(args)
     on_gpu = device.type == "cuda"
     if args.device == "auto" and not on_gpu and args.backend != "none":
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
-    model, weights = build_model(args, vocab)
+    model, weights = build_model(args, vocab, device)
     if args.lora_r is not None:
         if args.lora_r < 1:
             raise UsageError(f"--lora-r must be at least 1, got {args.lora_r}")
@@ -136,11 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.resume and os.path.exists(metrics_path):
         os.remove(metrics_path)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
-    summary = _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu)
-    return summary
+    return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
 
 
-def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu) -> dict[str, Any]:
+def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu,
+          began: float) -> dict[str, Any]:
     from tqdm import tqdm
 
     profiler = _profiler(args) if args.trace else None
@@ -169,7 +170,8 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                 timeline.close()
                 _write_timeline(traced, args.out)
             if (step + 1) % args.log_every == 0:
-                row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem}
+                row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem,
+                       "elapsed_s": time.perf_counter() - began}
                 if trainer.last_grad_norm is not None:
                     row["grad_norm"] = trainer.last_grad_norm
                 if trainer.last_clip_action is not None:

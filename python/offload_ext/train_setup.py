@@ -97,10 +97,11 @@ def bf16_llama(cfg: Any) -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Module, WeightSource | None]:
+def build_model(args: argparse.Namespace, vocab_size: int,
+                device: torch.device) -> tuple[torch.nn.Module, WeightSource | None]:
     """The model, and with an offload backend the weights its meta parameters are filled from: the
-    checkpoint's (--pretrained), or drawn by the model's init rule (--from-scratch), straight into the
-    engine; without one, transformers builds or loads the whole model."""
+    checkpoint's (--pretrained), or drawn by the model's init rule on the training `device`
+    (--from-scratch), straight into the engine; without one, transformers builds or loads the whole model."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(args.seed)
@@ -114,7 +115,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Mod
             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
             max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False)
         if args.backend != "none":  # built on the meta device, drawn layer by layer into the engine
-            return from_config_empty(cfg, seed=args.seed)
+            return from_config_empty(cfg, seed=args.seed, device=device)
         return bf16_llama(cfg), None
     try:
         cfg = AutoConfig.from_pretrained(args.model)
@@ -134,7 +135,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[torch.nn.Mod
         return AutoModelForCausalLM.from_pretrained(args.model, **{dtype_keyword(): torch.bfloat16}), None
     cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
     if args.backend != "none":
-        return from_config_empty(cfg, seed=args.seed)
+        return from_config_empty(cfg, seed=args.seed, device=device)
     return AutoModelForCausalLM.from_config(cfg), None
 
 
