@@ -17,6 +17,7 @@ from offload_ext.checkpoint import SafetensorsCheckpoint
 from offload_ext.weights import parameters_on_meta
 
 LR, WD = 1e-3, 0.01
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _save(model: torch.nn.Module, path: str, dtype: torch.dtype = torch.bfloat16, shard: str | None = None) -> str:
@@ -190,9 +191,11 @@ def test_a_failed_save_leaves_no_file_under_its_name(tmp_path) -> None:
     assert os.listdir(tmp_path) == ["model-00001-of-00002.safetensors"]  # the complete first shard only
 
 
-def test_from_config_draws_each_module_by_the_models_own_init_rule(tmp_path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_from_config_draws_each_module_by_the_models_own_init_rule(device: str) -> None:
+    # On a GPU the draw runs there (the CPU generator's one thread took minutes at 8 B).
     cfg = _tied_llama().config
-    off = offload_ext.Offloader.from_config(cfg, seed=3, device="cpu")
+    off = offload_ext.Offloader.from_config(cfg, seed=3, device=device)
     weights = off.model_state_dict()
     std = cfg.initializer_range
     for name, value in weights.items():
@@ -206,10 +209,10 @@ def test_from_config_draws_each_module_by_the_models_own_init_rule(tmp_path) -> 
             assert abs(v.mean().item()) < 6 * std / n ** 0.5, name
             assert abs(v.std().item() - std) < 6 * std / n ** 0.5 + std / 64, name  # + bf16 rounding
     assert off.model.lm_head.weight is off.model.model.embed_tokens.weight
-    losses = offloaded_training(off, off.model, batches(6))
+    losses = offloaded_training(off, off.model, batches(6), device=device)
     off.close()
     assert losses[-1] < losses[0]
-    same = offload_ext.Offloader.from_config(cfg, seed=3, device="cpu").model_state_dict()
-    other = offload_ext.Offloader.from_config(cfg, seed=4, device="cpu").model_state_dict()
+    same = offload_ext.Offloader.from_config(cfg, seed=3, device=device).model_state_dict()
+    other = offload_ext.Offloader.from_config(cfg, seed=4, device=device).model_state_dict()
     name = "model.layers.1.mlp.up_proj.weight"
     assert torch.equal(same[name], weights[name]) and not torch.equal(other[name], weights[name])
