@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "
                          "free memory")
     ap.add_argument("--steps", type=int, default=None, help="default 200 on a GPU, 60 on a CPU")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default 3e-3 for tiny and small, 3e-4 for every larger model)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine decay to 10%%")
     ap.add_argument("--weight-decay", type=float, default=0.0,
                     help="decoupled weight decay of every parameter --no-decay does not name")

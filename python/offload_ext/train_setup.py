@@ -21,6 +21,7 @@ BUILTIN = {
     "llama-8b": (4096, 32, 32, 8, 14336, False, 8192, 128256),  # Llama-3.1-8B's shape
     "qwen-14b": (5120, 48, 40, 8, 13824, False, 8192, 152064),  # Qwen2.5-14B's shape (a Qwen2 model)
 }
+_SMALL = {"tiny", "small"}  # the built-ins whose default learning rate is 3e-3
 _QWEN2 = {"qwen-14b"}  # built as Qwen2 (biased q/k/v projections, rope theta 1e6); the rest as Llama
 
 
@@ -50,6 +51,8 @@ def apply_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
             setattr(args, name, gpu if on_gpu else cpu)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 20)
+    if args.lr is None:  # the small built-ins learn fast; 3e-3 made a random 8 B model diverge at once (run 35)
+        args.lr = 3e-3 if args.model in _SMALL else 3e-4
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
