@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -35,10 +36,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _read_header(path: str) -> dict[str, TensorEntry]:
@@ -156,10 +154,7 @@ class TensorSource:
 
     @property
     def nbytes(self) -> int:
-        n = torch.tensor([], dtype=self.dtype).element_size()
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_shard_bytes: int = 5 << 30,

@@ -29,7 +29,6 @@ class WeightSource(Protocol):
     def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None: ...
 
 
-
 class CheckpointWeights:
     """The values of a model's meta parameters, from a checkpoint: every one is looked up (by any of its
     names, for tied ones) and shape-checked when this is built, before anything is allocated."""
@@ -49,7 +48,6 @@ class CheckpointWeights:
     def fill(self, param: nn.Parameter, dst: torch.Tensor) -> None:
         """Write the parameter's values into a contiguous CPU tensor of its size, in dst's dtype."""
         self.checkpoint.read_into(self._entries[id(param)], dst)
-
 
 
 class InitWeights:

@@ -35,8 +35,9 @@ struct StepUnit {
   // (mixed: the master) and the moments there, and they become the live ones: the state before the step
   // survives for an exact redo. In bf16 mode the next forward then copies the param from alt_param's
   // buffer (the caller follows swapped()), so alt_param is page-locked like param. Stepping the param in
-  // place and saving its old value instead cost 45 % more than a plain step (run 29's host passes: 10.1
-  // ms against 7.0 for a B1 layer, where the out-of-place redo took 7.8).
+  // place and saving its old value instead cost ~18 % more than a plain step (run 30's host passes: ~8.2
+  // ms against 6.95 for a B1 layer once its 1.9 ms host norm pass is taken out; the out-of-place redo took
+  // 7.8, and out of place the speculative step now costs a plain one's, run 31).
   void* alt_param;
   void* alt_exp_avg;
   void* alt_exp_avg_sq;
