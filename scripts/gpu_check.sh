@@ -134,9 +134,12 @@ for step in "${steps[@]}"; do
     gap) run gap python3 benchmarks/bench_gap.py ;;
     load)  # issue 12: a checkpoint of LOAD_PRESET's shape (b2: 16 GB, written to /tmp once) streamed into the
       # engine against transformers' load, each followed by one step: times and host RSS
-      run load python3 benchmarks/bench_load.py --preset "${LOAD_PRESET:-b2}" --device cuda --step "${LOAD_STEP:-1x4096}" ;;
-    scratch-8b)  # issue 12: offload-train from scratch on the 8B shape (drawn into the engine): time to the first step
+      run load python3 benchmarks/bench_load.py --preset "${LOAD_PRESET:-b2}" --device cuda --step "${LOAD_STEP:-1x4096}" \
+        --vias "${LOAD_VIAS:-engine,transformers}" ;;
+    scratch-8b)  # issue 12: offload-train from scratch on the 8B shape (drawn into the engine): time to the first step.
+      # SCRATCH_TIMEOUT (s) stops it before its final checkpoint (48 GB of params and moments) when only the start counts
       timed=(); [ -x /usr/bin/time ] && timed=(/usr/bin/time -v)  # its peak RSS, where the image has it
+      [ -n "${SCRATCH_TIMEOUT:-}" ] && timed=(timeout -s INT "$SCRATCH_TIMEOUT" "${timed[@]}")
       OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b "${timed[@]}" offload-train --model llama-8b --device cuda --steps 2 \
         --batch-size 1 --seq-len 4096 --out /tmp/run_8b
       cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl" ;;
