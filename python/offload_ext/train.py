@@ -114,11 +114,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(args.out, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
+    marks = [("start", began)]  # the set-up's phases, printed once (issue 12's "first step within N s")
     try:
         stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
+    marks.append(("data", time.perf_counter()))
     model, weights = build_model(args, vocab, device)
+    marks.append(("model", time.perf_counter()))
     if args.lora_r is not None:
         if args.lora_r < 1:
             raise UsageError(f"--lora-r must be at least 1, got {args.lora_r}")
@@ -133,12 +136,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(args, model, device, simulated, weights)
     except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
         raise UsageError(str(exc)) from exc
+    marks.append(("engine", time.perf_counter()))
+    _print_setup(marks, trainer)
     start = trainer.load(stream) if args.resume else 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if not args.resume and os.path.exists(metrics_path):
         os.remove(metrics_path)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
+
+
+def _print_setup(marks: list[tuple[str, float]], trainer: Trainer) -> None:
+    phases = [f"{name} {t - marks[k][1]:.1f} s" for k, (name, t) in enumerate(marks[1:])]
+    if trainer.off is not None:
+        phases[-1] += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in trainer.off.setup_seconds.items()) + ")"
+    print(f"offload-train: set-up {marks[-1][1] - marks[0][1]:.1f} s: " + ", ".join(phases), flush=True)
 
 
 def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu,
