@@ -54,7 +54,7 @@ import _deepspeed
 import offload_ext
 from offload_ext import testing
 from offload_ext.lora import add_lora
-from offload_ext.weights import materialize, parameters_on_meta, tile_random
+from offload_ext.weights import filled_on, materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -158,7 +158,6 @@ class TiledWeights:
     others materialise the model from it."""
 
     thread_safe = True
-    materialize_dtype = torch.bfloat16  # what the models train in
 
     def __init__(self, model: torch.nn.Module, std: float) -> None:
         self.block = torch.randn(_BLOCK, generator=torch.Generator().manual_seed(0)).mul_(std).bfloat16()
@@ -173,6 +172,9 @@ class TiledWeights:
             tile_random(dst.view(-1), self.block, torch.Generator().manual_seed(seed))
         else:
             dst.fill_(0.0 if name.endswith("bias") else 1.0)
+
+    def value(self, param: torch.nn.Parameter, device: torch.device | str) -> torch.Tensor:
+        return filled_on(self, param, device, torch.bfloat16)  # what the models train in
 
 
 def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
