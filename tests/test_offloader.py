@@ -11,7 +11,7 @@ from torch import nn
 
 import offload_ext
 from conftest import bf16_ulp_distance
-from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama
+from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama, to_bf16_params
 from offload_ext import testing
 
 LR, WD = 1e-2, 0.1
@@ -429,6 +429,29 @@ def test_gradient_accumulation_equals_torch_accumulating_grads(backend, precisio
     assert losses == ref_losses
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_summed_on_the_device_streamed_grads_are_the_running_sum_between_micro_batches_as_in_torch() -> None:
+    # Between the micro-batches of a step a streamed parameter's .grad is the sum so far (autograd adds
+    # into it in place), bit-exact with torch's own .grad; zero_grad() in between drops it, as in torch;
+    # after the step's last backward it is None (on its way to the host).
+    base = to_bf16_params(tiny_llama(layers=3))
+    data = batches(3)
+    ref = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", grad_accum=3, accumulate_on_device=True)
+    pairs = [(p, q) for (name, p), q in zip(model.named_parameters(), ref.parameters()) if ".layers." in name]
+    offload_ext.enable_activation_checkpointing(ref)
+    for k, x in enumerate(data):
+        if k == 1:  # drops micro-batch 0 on both sides
+            model.zero_grad()
+            ref.zero_grad()
+        off.backward(model(input_ids=x, labels=x).loss)
+        ref(input_ids=x, labels=x).loss.backward()
+        for p, q in pairs:
+            assert (p.grad is None) if k == 2 else torch.equal(p.grad, q.grad)
+    off.step()
+    off.close()
 
 
 def test_sums_on_the_device_reach_the_host_once_per_step_with_no_host_accumulation() -> None:

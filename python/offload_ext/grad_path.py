@@ -5,7 +5,10 @@ A post-accumulate-grad hook per parameter copies .grad into the buffer and frees
 layer's gradients never outlive its backward on the device. Units alternate between (up to) two
 gradient buffers; a buffer is reused only once its previous copy to the host has landed. With gradient
 accumulation on the device, each unit instead sums its micro-batches' gradients in a buffer of its own
-(bf16, as torch sums .grad) and sends the sum once, in the last micro-batch.
+(bf16, as torch sums .grad) and sends the sum once, in the last micro-batch: after its first copy
+there, each .grad is left as a view of the sum until the last micro-batch, so autograd adds the later
+micro-batches' gradients in place, as into any .grad (and as DDP's gradient_as_bucket_view does),
+without a copy of each from Python.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class GradPath:
         self.summing = sum_on_device
         if sum_on_device:
             self.buffers = [backend.device_buffer(u.trainable_numel) for u in part.units]
+            self.sums = [{s.offset: buf[s.offset:s.offset + s.numel].view(s.shape) for s in u.trainable_spans}
+                         for u, buf in zip(part.units, self.buffers)]  # per position: each span's .grad view
         else:
             largest = max(1, max(u.trainable_numel for u in part.units))
             self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
@@ -74,15 +79,26 @@ class GradPath:
         b = i % len(self.buffers)
         if self.first_micro and not self.received[i] and self.drained[b] is not None:
             self.backend.compute_wait(self.drained[b])  # the buffer's last copy to the host has landed
-        view, grad = self.buffers[b][s.offset:s.offset + s.numel], p.grad.reshape(-1)
-        view.copy_(grad) if self.first_micro else view.add_(grad)
-        p.grad = None
+        if self.summing:
+            self._sum(i, s, p)
+        else:
+            self.buffers[b][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+            p.grad = None
         self.received[i].add(s.offset)
         if len(self.received[i]) == unit.trainable:
             self.received[i].clear()
             if self.last_micro:
                 src = self.buffers[b][: unit.trainable_numel]
                 self.drained[b] = self.backend.flush_grads(unit.index, self.host[i], src)
+
+    def _sum(self, i: int, s: Span, p: nn.Parameter) -> None:
+        view = self.sums[i][s.offset]
+        if p.grad.data_ptr() != view.data_ptr():
+            # A .grad of its own: the first micro-batch's, or one after zero_grad() reset it in between,
+            # which (as in torch) drops what the earlier micro-batches summed.
+            view.copy_(p.grad)
+        # else autograd has added this micro-batch's gradient into the sum in place
+        p.grad = None if self.last_micro else view
 
     def check_complete(self, name_of: Callable[[nn.Parameter], str]) -> None:
         """Raise if a unit got only some of its gradients in the last backward (and forget them)."""
