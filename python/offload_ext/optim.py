@@ -28,6 +28,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     `master_weights=True` keeps an fp32 master copy and fp32 moments for bf16 parameters: the kernel
     updates the master and writes the rounded bf16 value into the parameter in the same pass.
+    `stochastic_rounding=True` keeps bf16 parameters and bf16 moments, as without it, but stores them by
+    stochastic rounding (offload_ext.stochastic_rounding): parameter k of the optimizer, counting through
+    the groups in order, draws stream k of `sr_seed`. Both are group options for bf16 parameters; a group
+    takes one of them at most.
     State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`.
     """
 
@@ -39,6 +43,8 @@ class CPUAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        sr_seed: int = 0,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -50,9 +56,13 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
+                        stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)
+        self.sr_seed = sr_seed
         for group in self.param_groups:
+            if group["master_weights"] and group["stochastic_rounding"]:
+                raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
             for p in group["params"]:
                 _check_param(p)
 
@@ -79,9 +89,11 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stream = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
+                stream += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -104,6 +116,8 @@ class CPUAdamW(torch.optim.Optimizer):
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
                     step=int(state["step"].item()),
+                    sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
+                    sr_stream=stream,
                 )
         return loss
 

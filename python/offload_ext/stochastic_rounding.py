@@ -1,0 +1,140 @@
+"""Stochastic rounding to bf16 ("bf16-sr") in integer torch ops, on any device: the native kernel's rule
+and random stream, bit for bit (both are defined in csrc/stochastic_rounding.h, which this follows
+line for line), and the AdamW step that uses them.
+
+The python backend steps its layers with `adamw_step_sr`, and the Offloader's device-kept parameters
+(and offload-train without offload) are stepped by `StochasticAdamW`, the same function under a
+torch.optim.Optimizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+from torch.optim.adamw import adamw as _fused_adamw
+
+_MASK32 = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
+# Elements per piece of a step: bounds the int64 and fp32 temporaries (a few hundred MB at most) for
+# large device-kept parameters such as embeddings.
+_PIECE = 1 << 22
+# Streams of the device-kept parameters start here, past any engine unit's (units count from 0).
+DEVICE_STREAMS = 1 << 32
+
+
+def _mix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int, stream: int, step: int, high: int) -> int:
+    """K of the rule for the elements whose index >> 32 is `high` (ints wrap as the C++ uint64 do)."""
+    k = _mix64(seed & _MASK64)
+    k = _mix64(k ^ (stream & _MASK64))
+    k = _mix64(k ^ (step & _MASK64))
+    return _mix64(k ^ high)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32) held in int64, in halves so that no product passes 2^63."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def random_words(seed: int, stream: int, step: int, index: int, n: int,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Words A and B (int64 tensors of values in [0, 2^32)) of elements index .. index + n - 1 of the
+    stream at `step`; every element in one block of 2^32 indices (the caller cuts at their edges)."""
+    high = index >> 32
+    if (index + n - 1) >> 32 != high:
+        raise ValueError("random_words: the elements cross a multiple of 2^32; cut the range there")
+    key = stream_key(seed, stream, step, high)
+    counter = torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32
+    return _hash32(counter ^ (key & _MASK32)), _hash32(counter ^ (key >> 32))
+
+
+def round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x (float32) to bf16 by the rule: (bits(x) + r) >> 16, r in [0, 65536); NaN to 0x7fc0."""
+    bits = x.view(torch.int32).to(torch.int64) & _MASK32
+    rounded = torch.where(torch.isnan(x), 0x7FC0, (bits + r) >> 16)
+    return ((rounded ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)  # 0..65535 as int16 bits
+
+
+def _pieces(index: int, n: int) -> Iterator[tuple[int, int]]:
+    """[b, e) pieces of a span of n elements from stream index `index`: at most _PIECE long, none
+    crossing a multiple of 2^32 of the stream's indices."""
+    b = 0
+    while b < n:
+        room = (1 << 32) - ((index + b) & _MASK32)
+        e = min(n, b + _PIECE, b + room)
+        yield b, e
+        b = e
+
+
+@torch.no_grad()
+def adamw_step_sr(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                  sr_seed: int, sr_stream: int, sr_offset: int = 0) -> None:
+    """One AdamW step over contiguous bf16 tensors, in place, stored with stochastic rounding: what
+    offload_ext.adamw_step(..., sr_seed=, sr_stream=, sr_offset=) does, in torch ops on any device. The
+    fp32 update is torch's fused AdamW on fp32 copies (the native kernel's arithmetic)."""
+    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+    for b, e in _pieces(sr_offset, param.numel()):
+        p, g, m, v = (t[b:e].float() for t in flat)
+        count = torch.tensor(float(step - 1), device=p.device)  # fused AdamW counts it up to `step`
+        _fused_adamw([p], [g], [m], [v], [], [count], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                     weight_decay=weight_decay, eps=eps, maximize=False)
+        a, w = random_words(sr_seed, sr_stream, step, sr_offset + b, e - b, p.device)
+        flat[0][b:e].copy_(round_sr(p, a & 0xFFFF))
+        flat[2][b:e].copy_(round_sr(m, a >> 16))
+        flat[3][b:e].copy_(round_sr(v, w & 0xFFFF))
+
+
+class StochasticAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW over bf16 parameters on any device, whose parameters and moments (bf16, in the
+    state torch's keys name) are stored by stochastic rounding. Parameter k of the optimizer (counting
+    through the groups in order) draws stream `first_stream + k` of `seed`."""
+
+    def __init__(self, params: Any, *, seed: int, first_stream: int = 0, **kwargs: Any) -> None:
+        if kwargs.get("amsgrad") or kwargs.get("maximize"):
+            raise ValueError("StochasticAdamW: amsgrad and maximize are not supported")
+        super().__init__(params, **kwargs)
+        self.seed, self.first_stream = seed, first_stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16 or not p.is_contiguous():
+                    raise ValueError("StochasticAdamW: parameters must be contiguous bf16 tensors")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        k = self.first_stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                stream, k = k, k + 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                adamw_step_sr(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                              beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                              weight_decay=group["weight_decay"], step=int(state["step"].item()),
+                              sr_seed=self.seed, sr_stream=stream)
+        return loss
