@@ -52,15 +52,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_words(seed: int, stream: int, step: int, index: int, n: int,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Words A and B (int64 tensors of values in [0, 2^32)) of elements index .. index + n - 1 of the
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The words A (an int64 tensor of values in [0, 2^32)) of elements index .. index + n - 1 of the
     stream at `step`; every element in one block of 2^32 indices (the caller cuts at their edges)."""
     high = index >> 32
     if (index + n - 1) >> 32 != high:
         raise ValueError("random_words: the elements cross a multiple of 2^32; cut the range there")
-    key = stream_key(seed, stream, step, high)
-    counter = torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32
-    return _hash32(counter ^ (key & _MASK32)), _hash32(counter ^ (key >> 32))
+    key = stream_key(seed, stream, step, high) & _MASK32
+    return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32) ^ key)
 
 
 def round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -85,24 +84,25 @@ def _pieces(index: int, n: int) -> Iterator[tuple[int, int]]:
 def adamw_step_sr(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   sr_seed: int, sr_stream: int, sr_offset: int = 0) -> None:
-    """One AdamW step over contiguous bf16 tensors, in place, stored with stochastic rounding: what
-    offload_ext.adamw_step(..., sr_seed=, sr_stream=, sr_offset=) does, in torch ops on any device. The
-    fp32 update is torch's fused AdamW on fp32 copies (the native kernel's arithmetic)."""
+    """One AdamW step over contiguous bf16 tensors, in place, param and exp_avg_sq stored with stochastic
+    rounding (exp_avg to nearest): what offload_ext.adamw_step(..., sr_seed=, sr_stream=, sr_offset=) does,
+    in torch ops on any device. The fp32 update is torch's fused AdamW on fp32 copies (the native
+    kernel's arithmetic)."""
     flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
     for b, e in _pieces(sr_offset, param.numel()):
         p, g, m, v = (t[b:e].float() for t in flat)
         count = torch.tensor(float(step - 1), device=p.device)  # fused AdamW counts it up to `step`
         _fused_adamw([p], [g], [m], [v], [], [count], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                      weight_decay=weight_decay, eps=eps, maximize=False)
-        a, w = random_words(sr_seed, sr_stream, step, sr_offset + b, e - b, p.device)
-        flat[0][b:e].copy_(round_sr(p, a & 0xFFFF))
-        flat[2][b:e].copy_(round_sr(m, a >> 16))
-        flat[3][b:e].copy_(round_sr(v, w & 0xFFFF))
+        word = random_words(sr_seed, sr_stream, step, sr_offset + b, e - b, p.device)
+        flat[0][b:e].copy_(round_sr(p, word & 0xFFFF))
+        flat[2][b:e].copy_(m)
+        flat[3][b:e].copy_(round_sr(v, word >> 16))
 
 
 class StochasticAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW over bf16 parameters on any device, whose parameters and moments (bf16, in the
-    state torch's keys name) are stored by stochastic rounding. Parameter k of the optimizer (counting
+    """torch.optim.AdamW over bf16 parameters on any device, with bf16 moments (in the state under torch's
+    keys), stepped by adamw_step_sr. Parameter k of the optimizer (counting
     through the groups in order) draws stream `first_stream + k` of `seed`."""
 
     def __init__(self, params: Any, *, seed: int, first_stream: int = 0, **kwargs: Any) -> None:

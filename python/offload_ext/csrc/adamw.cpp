@@ -185,8 +185,7 @@ void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool
       const uint64_t key = sr_key(sr->seed, sr->stream, h.step, index >> 32);
       AdamWCoef piece = c;
       piece.stochastic = true;
-      piece.sr_key_a = static_cast<uint32_t>(key);
-      piece.sr_key_b = static_cast<uint32_t>(key >> 32);
+      piece.sr_key = static_cast<uint32_t>(key);
       piece.sr_index = static_cast<uint32_t>(index);
       span(offset(pass, i), len, piece);
       i += len;

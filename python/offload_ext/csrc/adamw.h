@@ -47,12 +47,11 @@ struct AdamWCoef {
   // (non-temporal stores).
   int64_t prefetch = 0;
   bool stream_out = false;
-  // Stochastic rounding of a bf16 pass (stochastic_rounding.h): low32(K) and high32(K) of the elements
-  // of this span, and the low 32 bits of the stream index of its element 0 (the dispatcher cuts spans
-  // where the high bits change, so lanes count on in 32 bits).
+  // Stochastic rounding of a bf16 pass (stochastic_rounding.h): uint32(K) of the elements of this span,
+  // and the low 32 bits of the stream index of its element 0 (the dispatcher cuts spans where the high
+  // bits change, so lanes count on in 32 bits).
   bool stochastic = false;
-  uint32_t sr_key_a = 0;
-  uint32_t sr_key_b = 0;
+  uint32_t sr_key = 0;
   uint32_t sr_index = 0;
 };
 

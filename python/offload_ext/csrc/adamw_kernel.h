@@ -96,8 +96,8 @@ inline void put_bf16_sr(uint16_t* p, typename V::F x, typename V::I r) {
   kStream ? V::stream_bf16_sr(p, x, r) : V::store_bf16_sr(p, x, r);
 }
 
-// The three stores of a bf16 pass at element i: to nearest even, or (kSR) by stochastic_rounding.h's
-// rule with the words of elements i .. i + W - 1.
+// The three stores of a bf16 pass at element i: to nearest even, or (kSR) param and exp_avg_sq by
+// stochastic_rounding.h's rule with the words of elements i .. i + W - 1.
 template <class V, bool kStream, bool kSR>
 inline void store_state_bf16(const Bf16Pass& a, int64_t i, const AdamWCoef& c, typename V::F P, typename V::F M,
                              typename V::F S) {
@@ -107,13 +107,10 @@ inline void store_state_bf16(const Bf16Pass& a, int64_t i, const AdamWCoef& c, t
     put_bf16<V, kStream>(a.exp_avg_sq + i, S);
     return;
   }
-  const auto index = V::iota(c.sr_index + static_cast<uint32_t>(i));
-  const auto A = sr_hash32<V>(V::ixor(index, V::iset1(c.sr_key_a)));
-  const auto B = sr_hash32<V>(V::ixor(index, V::iset1(c.sr_key_b)));
-  const auto low = V::iset1(0xffffu);
-  put_bf16_sr<V, kStream>(a.param + i, P, V::iand(A, low));
-  put_bf16_sr<V, kStream>(a.exp_avg + i, M, V::template shr<16>(A));
-  put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::iand(B, low));
+  const auto word = sr_hash32<V>(V::ixor(V::iota(c.sr_index + static_cast<uint32_t>(i)), V::iset1(c.sr_key)));
+  put_bf16_sr<V, kStream>(a.param + i, P, V::iand(word, V::iset1(0xffffu)));
+  put_bf16<V, kStream>(a.exp_avg + i, M);
+  put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::template shr<16>(word));
 }
 
 template <class V, int kGrad, bool kStream, bool kSR>
