@@ -66,6 +66,14 @@ class CPUAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 _check_param(p)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A loaded state dict's groups replace these (torch.optim.AdamW's carry neither key): what it
+        # lacks keeps this optimizer's choice.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in ("master_weights", "stochastic_rounding"):
+                group.setdefault(key, self.defaults[key])
+
     @staticmethod
     def _uses_master(p: torch.Tensor, group: dict[str, Any]) -> bool:
         return bool(group["master_weights"]) and p.dtype == torch.bfloat16

@@ -62,11 +62,25 @@ def random_words(seed: int, stream: int, step: int, index: int, n: int,
     return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32) ^ key)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32).to(torch.int64) & _MASK32
+
+
+def _to_bf16(x: torch.Tensor, increment: torch.Tensor) -> torch.Tensor:
+    """x (float32) as bf16 (bits(x) + increment) >> 16; NaN as 0x7fc0, the kernel's (torch's vectorised
+    conversion gives 0xffff)."""
+    rounded = torch.where(torch.isnan(x), 0x7FC0, (_bits(x) + increment) >> 16)
+    return ((rounded ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)  # 0..65535 as int16 bits
+
+
 def round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x (float32) to bf16 by the rule: (bits(x) + r) >> 16, r in [0, 65536); NaN to 0x7fc0."""
-    bits = x.view(torch.int32).to(torch.int64) & _MASK32
-    rounded = torch.where(torch.isnan(x), 0x7FC0, (bits + r) >> 16)
-    return ((rounded ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)  # 0..65535 as int16 bits
+    return _to_bf16(x, r)
+
+
+def round_nearest(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) to bf16, to nearest even; NaN to 0x7fc0, as the kernel's "bf16" stores."""
+    return _to_bf16(x, 0x7FFF + ((_bits(x) >> 16) & 1))
 
 
 def _pieces(index: int, n: int) -> Iterator[tuple[int, int]]:
@@ -96,7 +110,7 @@ def adamw_step_sr(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                      weight_decay=weight_decay, eps=eps, maximize=False)
         word = random_words(sr_seed, sr_stream, step, sr_offset + b, e - b, p.device)
         flat[0][b:e].copy_(round_sr(p, word & 0xFFFF))
-        flat[2][b:e].copy_(m)
+        flat[2][b:e].copy_(round_nearest(m))
         flat[3][b:e].copy_(round_sr(v, word >> 16))
 
 
