@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import offload_ext
-from offload_ext.stochastic_rounding import StochasticAdamW
+from offload_ext import StochasticAdamW
 
 N, STEPS, LR = 16384, 500, 1e-5
 ULP = 2.0**-7  # of bf16 values in [1, 2)

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .stochastic_rounding import DEVICE_STREAMS, StochasticAdamW
+from .optim import StochasticAdamW
+from .stochastic_rounding import DEVICE_STREAMS
 
 
 class DeviceOptimizer:

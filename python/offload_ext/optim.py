@@ -1,12 +1,14 @@
-"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters."""
+"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters; and
+StochasticAdamW, bf16 AdamW with stochastic rounding in torch ops on any device."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
 
 from .ops import adamw_step
+from .stochastic_rounding import adamw_step_sr
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -21,6 +23,24 @@ def _check_param(p: torch.Tensor) -> None:
     if not p.is_contiguous():
         raise ValueError("CPUAdamW: parameters must be contiguous (the kernel steps flat spans); "
                          "make them contiguous before building the optimizer, e.g. p.data = p.data.contiguous()")
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _stepped(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, int]]:
+    """(group, parameter, its index counting through the groups in order) of each parameter with a
+    gradient: the index is the parameter's stochastic rounding stream."""
+    index = 0
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, index
+            index += 1
 
 
 class CPUAdamW(torch.optim.Optimizer):
@@ -93,40 +113,28 @@ class CPUAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stream = -1
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                stream += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdamW does not support sparse gradients")
-                grad = p.grad.detach()
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
-                state = self._init_state(p, group)
-                state["step"] += 1
-                master = state.get("master_param")
-                adamw_step(
-                    master if master is not None else p.detach(),
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    param_out=p.detach() if master is not None else None,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(state["step"].item()),
-                    sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
-                    sr_stream=stream,
-                )
+        loss = _closure_loss(closure)
+        for group, p, stream in _stepped(self.param_groups):
+            if p.grad.is_sparse:
+                raise RuntimeError("CPUAdamW does not support sparse gradients")
+            state = self._init_state(p, group)
+            state["step"] += 1
+            master = state.get("master_param")
+            adamw_step(
+                master if master is not None else p.detach(),
+                p.grad.detach().contiguous(),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                param_out=p.detach() if master is not None else None,
+                lr=group["lr"],
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=int(state["step"].item()),
+                sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
+                sr_stream=stream,
+            )
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -150,3 +158,36 @@ class CPUAdamW(torch.optim.Optimizer):
                 for key in _FP32_STATES:
                     if key in state and not state[key].is_contiguous():
                         state[key] = state[key].contiguous()
+
+
+class StochasticAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW over bf16 parameters on any device, with bf16 moments (in the state under torch's
+    keys), stepped by stochastic_rounding.adamw_step_sr: what CPUAdamW(stochastic_rounding=True) does on
+    the CPU, bit for bit, in torch ops. Parameter k (counting through the groups in order) draws stream
+    `first_stream + k` of `seed`."""
+
+    def __init__(self, params: Any, *, seed: int, first_stream: int = 0, **kwargs: Any) -> None:
+        if kwargs.get("amsgrad") or kwargs.get("maximize"):
+            raise ValueError("StochasticAdamW: amsgrad and maximize are not supported")
+        super().__init__(params, **kwargs)
+        self.seed, self.first_stream = seed, first_stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16 or not p.is_contiguous():
+                    raise ValueError("StochasticAdamW: parameters must be contiguous bf16 tensors")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = _closure_loss(closure)
+        for group, p, index in _stepped(self.param_groups):
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            adamw_step_sr(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                          beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                          weight_decay=group["weight_decay"], step=int(state["step"].item()), sr_seed=self.seed,
+                          sr_stream=self.first_stream + index)
+        return loss

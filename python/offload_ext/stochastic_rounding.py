@@ -3,13 +3,12 @@ and random stream, bit for bit (both are defined in csrc/stochastic_rounding.h, 
 line for line), and the AdamW step that uses them.
 
 The python backend steps its layers with `adamw_step_sr`, and the Offloader's device-kept parameters
-(and offload-train without offload) are stepped by `StochasticAdamW`, the same function under a
-torch.optim.Optimizer.
+(and offload-train without offload on a GPU) with offload_ext.optim.StochasticAdamW, the same function
+under a torch.optim.Optimizer.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Callable
 
 import torch
 from torch.optim.adamw import adamw as _fused_adamw
@@ -113,42 +112,3 @@ def adamw_step_sr(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         flat[2][b:e].copy_(round_nearest(m))
         flat[3][b:e].copy_(round_sr(v, word >> 16))
 
-
-class StochasticAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW over bf16 parameters on any device, with bf16 moments (in the state under torch's
-    keys), stepped by adamw_step_sr. Parameter k of the optimizer (counting
-    through the groups in order) draws stream `first_stream + k` of `seed`."""
-
-    def __init__(self, params: Any, *, seed: int, first_stream: int = 0, **kwargs: Any) -> None:
-        if kwargs.get("amsgrad") or kwargs.get("maximize"):
-            raise ValueError("StochasticAdamW: amsgrad and maximize are not supported")
-        super().__init__(params, **kwargs)
-        self.seed, self.first_stream = seed, first_stream
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.bfloat16 or not p.is_contiguous():
-                    raise ValueError("StochasticAdamW: parameters must be contiguous bf16 tensors")
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        k = self.first_stream
-        for group in self.param_groups:
-            for p in group["params"]:
-                stream, k = k, k + 1
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                adamw_step_sr(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
-                              beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                              weight_decay=group["weight_decay"], step=int(state["step"].item()),
-                              sr_seed=self.seed, sr_stream=stream)
-        return loss

@@ -86,7 +86,7 @@ class Trainer:
             raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
                              "use --backend native, or --precision bf16 with --backend none")
         if self.device.type == "cuda" and a.precision == "bf16-sr":
-            from .stochastic_rounding import StochasticAdamW
+            from .optim import StochasticAdamW
 
             self.opt = StochasticAdamW(params, seed=a.seed, lr=a.lr, weight_decay=a.weight_decay)
         elif self.device.type == "cuda":
