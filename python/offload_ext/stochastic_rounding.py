@@ -38,8 +38,8 @@ def stream_key(seed: int, stream: int, step: int, high: int) -> int:
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for x in [0, 2^32) held in int64, in halves so that no product passes 2^63."""
-    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & _MASK32
+    """x * c mod 2^32 for x in [0, 2^32) held in int64, c taken in halves so that no product passes 2^63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -61,15 +61,12 @@ def random_words(seed: int, stream: int, step: int, index: int, n: int,
     return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32) ^ key)
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32).to(torch.int64) & _MASK32
-
-
 def _to_bf16(x: torch.Tensor, increment: torch.Tensor) -> torch.Tensor:
-    """x (float32) as bf16 (bits(x) + increment) >> 16; NaN as 0x7fc0, the kernel's (torch's vectorised
-    conversion gives 0xffff)."""
-    rounded = torch.where(torch.isnan(x), 0x7FC0, (_bits(x) + increment) >> 16)
-    return ((rounded ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)  # 0..65535 as int16 bits
+    """x (float32) as bf16: (bits(x) + increment) >> 16, on the signed bits (the shift carries the sign
+    bit down into the int16's). A NaN is made 0x7fc00000 first: stored as 0x7fc0, the kernel's NaN (torch's
+    vectorised conversion writes 0xffff), and no sum passes 2^31."""
+    bits = torch.where(torch.isnan(x), 0x7FC00000, x.view(torch.int32))
+    return ((bits + increment) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -79,7 +76,7 @@ def round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def round_nearest(x: torch.Tensor) -> torch.Tensor:
     """x (float32) to bf16, to nearest even; NaN to 0x7fc0, as the kernel's "bf16" stores."""
-    return _to_bf16(x, 0x7FFF + ((_bits(x) >> 16) & 1))
+    return _to_bf16(x, ((x.view(torch.int32) >> 16) & 1) + 0x7FFF)
 
 
 def _pieces(index: int, n: int) -> Iterator[tuple[int, int]]:
