@@ -63,8 +63,9 @@ class Offloader(torch.optim.Optimizer):
     off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
     loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
 
-    precision: "bf16" (bf16 params and moments), "bf16-sr" (the same, stored by stochastic rounding drawn
-    from `sr_seed`: see offload_ext.stochastic_rounding) or "mixed" (fp32 masters and moments).
+    precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
+    stochastic rounding drawn from `sr_seed`: see offload_ext.stochastic_rounding) or "mixed" (fp32 masters
+    and moments).
     """
 
     def __init__(

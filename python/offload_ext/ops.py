@@ -44,7 +44,7 @@ def adamw_step(
     Modes follow the dtypes: all bf16 (math in fp32); or fp32 param/exp_avg/exp_avg_sq with a bf16
     or fp32 grad, optionally writing the updated param rounded to bf16 into `param_out`.
     `step` is the 1-based step count used for bias correction.
-    With `sr_seed` (bf16 mode only), param and moments are stored with stochastic rounding, the span's
+    With `sr_seed` (bf16 mode only), param and exp_avg_sq are stored by stochastic rounding, the span's
     elements drawing indices sr_offset.. of stream (sr_seed, sr_stream): offload_ext.stochastic_rounding
     gives the rule, and the same result in torch ops.
     """

@@ -48,10 +48,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     `master_weights=True` keeps an fp32 master copy and fp32 moments for bf16 parameters: the kernel
     updates the master and writes the rounded bf16 value into the parameter in the same pass.
-    `stochastic_rounding=True` keeps bf16 parameters and bf16 moments, as without it, but stores them by
-    stochastic rounding (offload_ext.stochastic_rounding): parameter k of the optimizer, counting through
-    the groups in order, draws stream k of `sr_seed`. Both are group options for bf16 parameters; a group
-    takes one of them at most.
+    `stochastic_rounding=True` keeps bf16 parameters and bf16 moments, as without it, but stores the
+    parameters and exp_avg_sq by stochastic rounding (offload_ext.stochastic_rounding's rule): parameter k
+    of the optimizer, counting through the groups in order, draws stream k of `sr_seed`. Both are group
+    options for bf16 parameters; a group takes one of them at most.
     State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`.
     """
 

@@ -177,7 +177,7 @@ void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool
     return;
   }
   for_chunks(n, pool, [&](int64_t b, int64_t e) {
-    // The stream's keys change where index >> 32 does: each span gets one key pair, its lanes the low bits.
+    // The stream's key changes where index >> 32 does: each span gets one key, its lanes the low bits.
     for (int64_t i = b; i < e;) {
       const uint64_t index = static_cast<uint64_t>(sr->index + i);
       const uint64_t to_next = (uint64_t{1} << 32) - (index & 0xffffffffu);

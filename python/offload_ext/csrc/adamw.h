@@ -106,7 +106,7 @@ struct SrStream {
 };
 
 // "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32. With `sr`
-// ("bf16-sr"), the three stores round stochastically instead of to nearest even.
+// ("bf16-sr"), param and exp_avg_sq are stored by stochastic rounding instead of to nearest even.
 void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
                 const std::optional<SrStream>& sr = std::nullopt);
 void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,

@@ -47,8 +47,12 @@ struct Avx2Vec {
   static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
   template <int k>
   static I shr(I a) { return _mm256_srli_epi32(a, k); }
-  static void store_bf16_sr(uint16_t* p, F x, I r) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r)); }
-  static void stream_bf16_sr(uint16_t* p, F x, I r) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r)); }
+  static void store_bf16_sr(uint16_t* p, F x, I r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r));
+  }
+  static void stream_bf16_sr(uint16_t* p, F x, I r) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r));
+  }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

@@ -13,9 +13,10 @@
 // 2^-8). With beta2 = 0.999, exp_avg_sq moves by 1e-3 of (grad^2 - itself) a step: a fall is at most
 // 1e-3 of it, under its half ulp (at least 2^-9 of it), so it never decays, and it rises only when
 // grad^2 passes ~3x it. exp_avg moves a tenth of the way to the gradient a step (beta1 = 0.9): it
-// stalls only within ~2 % of it, and the error stays that small. One 32-bit hash word per element serves both; a second word for exp_avg made the kernel 20 %
-// slower than "bf16" on one thread, one word 3-5 % (bench_adamw --scale 0.05 --threads 1, a 2-core
-// AVX-512 host: benchmarks/results/2026-12-01_e10a34d and 2026-12-01_50d517f).
+// stalls only within ~2 % of it, and the error stays that small. One 32-bit hash word per element
+// serves both; a second word for exp_avg made the kernel 20 % slower than "bf16" on one thread, one
+// word 3-5 % (bench_adamw --scale 0.05 --threads 1 on a 2-core AVX-512 host:
+// benchmarks/results/2026-12-01_e10a34d and 2026-12-01_50d517f).
 //
 // The stream. Each element draws one 32-bit word A at each step, a counter-based hash of
 // (seed, stream, step, index), index being its position in its stream (an engine unit, a CPUAdamW
