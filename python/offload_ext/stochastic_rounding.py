@@ -58,7 +58,7 @@ def random_words(seed: int, stream: int, step: int, index: int, n: int,
     if (index + n - 1) >> 32 != high:
         raise ValueError("random_words: the elements cross a multiple of 2^32; cut the range there")
     key = stream_key(seed, stream, step, high) & _MASK32
-    return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) & _MASK32) ^ key)
+    return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) + key) & _MASK32)
 
 
 def _to_bf16(x: torch.Tensor, increment: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ struct Avx2Vec {
   using I = __m256i;
   static I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static I iota(uint32_t base) { return _mm256_add_epi32(iset1(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
   static I iand(I a, I b) { return _mm256_and_si256(a, b); }
   static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }

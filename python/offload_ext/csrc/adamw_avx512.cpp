@@ -41,6 +41,7 @@ struct Avx512Vec {
   static I iota(uint32_t base) {
     return _mm512_add_epi32(iset1(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
   static I iand(I a, I b) { return _mm512_and_si512(a, b); }
   static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }

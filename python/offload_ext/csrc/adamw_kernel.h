@@ -39,6 +39,7 @@ struct ScalarVec {
   using I = uint32_t;
   static I iset1(uint32_t x) { return x; }
   static I iota(uint32_t base) { return base; }  // base + lane
+  static I iadd(I a, I b) { return a + b; }
   static I ixor(I a, I b) { return a ^ b; }
   static I iand(I a, I b) { return a & b; }
   static I imul(I a, I b) { return a * b; }
@@ -97,9 +98,9 @@ inline void put_bf16_sr(uint16_t* p, typename V::F x, typename V::I r) {
 }
 
 // The three stores of a bf16 pass at element i: to nearest even, or (kSR) param and exp_avg_sq by
-// stochastic_rounding.h's rule with the words of elements i .. i + W - 1.
+// stochastic_rounding.h's rule, `counter` holding the hash inputs of elements i .. i + W - 1.
 template <class V, bool kStream, bool kSR>
-inline void store_state_bf16(const Bf16Pass& a, int64_t i, const AdamWCoef& c, typename V::F P, typename V::F M,
+inline void store_state_bf16(const Bf16Pass& a, int64_t i, typename V::I counter, typename V::F P, typename V::F M,
                              typename V::F S) {
   if (!kSR) {
     put_bf16<V, kStream>(a.param + i, P);
@@ -107,7 +108,7 @@ inline void store_state_bf16(const Bf16Pass& a, int64_t i, const AdamWCoef& c, t
     put_bf16<V, kStream>(a.exp_avg_sq + i, S);
     return;
   }
-  const auto word = sr_hash32<V>(V::ixor(V::iota(c.sr_index + static_cast<uint32_t>(i)), V::iset1(c.sr_key)));
+  const auto word = sr_hash32<V>(counter);
   put_bf16_sr<V, kStream>(a.param + i, P, V::iand(word, V::iset1(0xffffu)));
   put_bf16<V, kStream>(a.exp_avg + i, M);
   put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::template shr<16>(word));
@@ -116,7 +117,9 @@ inline void store_state_bf16(const Bf16Pass& a, int64_t i, const AdamWCoef& c, t
 template <class V, int kGrad, bool kStream, bool kSR>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
-  for (; i + V::W <= n; i += V::W) {
+  // Stochastic rounding's hash inputs, uint32(index) + uint32(K) (stochastic_rounding.h), counted along.
+  auto counter = V::iota(c.sr_key + c.sr_index + static_cast<uint32_t>(i));
+  for (; i + V::W <= n; i += V::W, counter = V::iadd(counter, V::iset1(V::W))) {
     if (pf) {
       V::prefetch(a.param_in + i + pf);
       V::prefetch(a.grad + i + pf);
@@ -128,7 +131,7 @@ inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoe
     auto M = V::load_bf16(a.exp_avg_in + i);
     auto S = V::load_bf16(a.exp_avg_sq_in + i);
     adamw_update<V>(P, load_grad_bf16<V, kGrad>(a.grad, a.grad_add, a.grad_scale, i), M, S, c);
-    store_state_bf16<V, kStream, kSR>(a, i, c, P, M, S);
+    store_state_bf16<V, kStream, kSR>(a, i, counter, P, M, S);
   }
   if (kStream) V::fence();
   return i;

@@ -22,7 +22,7 @@
 // (seed, stream, step, index), index being its position in its stream (an engine unit, a CPUAdamW
 // parameter, a device-kept parameter):
 //   K = mix64(mix64(mix64(mix64(seed) ^ stream) ^ step) ^ (index >> 32))
-//   A = hash32(uint32(index) ^ uint32(K)),   r_param = A & 0xffff,   r_exp_avg_sq = A >> 16
+//   A = hash32(uint32(index) + uint32(K)),   r_param = A & 0xffff,   r_exp_avg_sq = A >> 16
 // mix64 is splitmix64's step (add 0x9e3779b97f4a7c15, then its finalizer), hash32 the "lowbias32"
 // integer hash (C. Wellons' hash-prospector). All arithmetic wraps (uint64, uint32). Nothing else
 // enters: the bits do not depend on threads, slices, the ISA or the order units are stepped in, and a
