@@ -15,8 +15,8 @@
 // grad^2 passes ~3x it. exp_avg moves a tenth of the way to the gradient a step (beta1 = 0.9): it
 // stalls only within ~2 % of it, and the error stays that small. One 32-bit hash word per element
 // serves both; a second word for exp_avg made the kernel 20 % slower than "bf16" on one thread, one
-// word 3-5 % (bench_adamw --scale 0.05 --threads 1 on a 2-core AVX-512 host:
-// benchmarks/results/2026-12-01_e10a34d and 2026-12-01_50d517f).
+// word 2-5 % with AVX-512, 11 % with AVX2 (bench_adamw --scale 0.05 --threads 1 on a shared 2-core
+// host: benchmarks/results/2026-12-01_e10a34d and 2026-12-01_e370bf3).
 //
 // The stream. Each element draws one 32-bit word A at each step, a counter-based hash of
 // (seed, stream, step, index), index being its position in its stream (an engine unit, a CPUAdamW
