@@ -1,8 +1,8 @@
 """A1: fused CPU AdamW over 973 M parameters in Llama-3.2-1B layer shapes, native vs torch vs DeepSpeed.
 
-Every precision mode of offload_ext's kernel against torch's fused AdamW (bf16; fp32; fp32 with the casts
-that mixed precision needs) and DeepSpeed's CPUAdam when importable, with a host memory-bandwidth line
-measured in the same run. `--scale` shrinks every layer for small machines.
+Every precision mode of offload_ext's kernel (bf16, bf16-sr, mixed, fp32) against torch's fused AdamW (bf16;
+fp32; fp32 with the casts that mixed precision needs) and DeepSpeed's CPUAdam when importable, with a host
+memory-bandwidth line measured in the same run. `--scale` shrinks every layer for small machines.
 
     python benchmarks/bench_adamw.py                 # the full A1 workload
     python benchmarks/bench_adamw.py --scale 0.05    # a 2-core CI-sized machine
@@ -72,11 +72,12 @@ def zeros_layers(n: int, layers: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 # Bytes each parameter moves through host memory per step (reads + writes).
-BYTES = {"bf16": 14, "mixed": 28, "fp32": 28, "torch_fp32_cast": 34, "torch_fp32_casts": 40}
+BYTES = {"bf16": 14, "bf16-sr": 14, "mixed": 28, "fp32": 28, "torch_fp32_cast": 34, "torch_fp32_casts": 40}
 
 
 def native_step(mode: str, n: int, layers: int) -> Callable[[], None]:
-    if mode == "bf16":
+    sr_seed = 0 if mode == "bf16-sr" else None
+    if mode in ("bf16", "bf16-sr"):
         p, g = random_layers(n, layers, torch.bfloat16), random_layers(n, layers, torch.bfloat16)
         m, v = random_layers(n, layers, torch.bfloat16), random_layers(n, layers, torch.bfloat16, positive=True)
         out = [None] * layers
@@ -91,7 +92,7 @@ def native_step(mode: str, n: int, layers: int) -> Callable[[], None]:
         state["step"] += 1
         for i in range(layers):
             offload_ext.adamw_step(p[i], g[i], m[i], v[i], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                   weight_decay=WD, step=state["step"], param_out=out[i])
+                                   weight_decay=WD, step=state["step"], param_out=out[i], sr_seed=sr_seed, sr_stream=i)
     return run
 
 
@@ -244,6 +245,7 @@ def main() -> None:
     bw = memory_bandwidth_gbs(ARGS.threads)
     print(f"  host copy bandwidth (torch, read+write)      {bw:6.1f} GB/s", flush=True)
     measure("native bf16", "bf16", lambda: native_step("bf16", n, layers))
+    measure("native bf16-sr (stochastic rounding)", "bf16-sr", lambda: native_step("bf16-sr", n, layers))
     measure("native mixed (bf16 grad in, bf16 param out)", "mixed", lambda: native_step("mixed", n, layers))
     measure("native fp32", "fp32", lambda: native_step("fp32", n, layers))
     measure("torch fused bf16", "bf16", lambda: torch_step(torch.bfloat16, n, layers))
@@ -264,6 +266,7 @@ def main() -> None:
         return None
 
     comparisons = [
+        ("native bf16-sr (stochastic rounding)", "native bf16"),
         ("native bf16", "torch fused bf16"),
         ("native bf16", "DeepSpeed CPUAdam bf16/bf16"),
         ("native mixed (bf16 grad in, bf16 param out)", "torch fused fp32 + bf16 param cast"),

@@ -7,7 +7,8 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-whole][-sync][-recipe]: tN engine
+A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-whole][-sync][-recipe] (precision bf16,
+bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
 threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
 the GPU), whole for host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
@@ -71,6 +72,7 @@ PRESETS = {
                      seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
@@ -93,7 +95,7 @@ class Mode:
         if backend != "resident":
             if not rest:
                 raise SystemExit(f"bench_train: mode {name!r} needs a precision (e.g. native-bf16)")
-            precision, rest = rest[0], rest[1:]
+            precision, rest = PRECISION_NAMES.get(rest[0], rest[0]), rest[1:]
         clip = next((o for o in rest if o in CLIP_NORMS), None)
         accum = next((int(o[5:]) for o in rest if o.startswith("accum")), 1)
         lora = next((int(o[4:]) for o in rest if o.startswith("lora") and o[4:].isdigit()), None)

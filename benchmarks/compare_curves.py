@@ -1,6 +1,7 @@
 """Compares offload-train loss curves (metrics.jsonl files): mean loss over windows of steps, and the first
-step at which each curve leaves the first one by more than --tol. Rounding differences (another
-cross-entropy kernel, another chunking) grow over a run; this shows how far.
+step at which each curve leaves the first one by more than --tol; with --png, the curves drawn too.
+Rounding differences (another cross-entropy kernel, another chunking, another precision) grow over a run;
+this shows how far.
 
     python benchmarks/compare_curves.py --stem loss_curves_default \
         benchmarks/results/2026-11-29_b30d77f/loss_curve_*.jsonl
@@ -21,12 +22,35 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--windows", default="0:50,50:100,100:150,150:200", help="step ranges [a, b) to average")
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--stem", default="loss_curves")
+    ap.add_argument("--png", default=None, metavar="PATH",
+                    help="also draw the curves (loss by step, smoothed over --smooth steps) into PATH (matplotlib)")
+    ap.add_argument("--smooth", type=int, default=10)
+    ap.add_argument("--title", default=None)
     return ap.parse_args()
 
 
 def losses(path: str) -> list[float]:
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f]
+
+
+def plot(curves: dict[str, list[float]], out: str, smooth: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, c in curves.items():
+        # Trailing mean over up to `smooth` steps: per-batch noise hides the trend otherwise.
+        means = [statistics.mean(c[max(0, i + 1 - smooth):i + 1]) for i in range(len(c))]
+        ax.plot(range(1, len(c) + 1), means, label=name, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (trailing mean of {smooth} steps)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 def main() -> None:
@@ -43,6 +67,9 @@ def main() -> None:
         lines.append(f"| {name} | {means} | {c[-1]:.4f} | {off if off is not None else '-'} |")
     markdown = "\n".join(lines)
     print(markdown)
+    if a.png:
+        plot(curves, a.png, a.smooth, a.title or a.stem)
+        print(f"wrote {a.png}")
     for path in _common.write_results(a.stem, {"files": a.files, "tol": a.tol, "windows": windows}, markdown):
         print(f"wrote {path}")
 

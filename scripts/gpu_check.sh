@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
-# adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves
+# adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load scratch-8b train-qwen train-lora (default: build test
 # adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -99,6 +99,15 @@ for step in "${steps[@]}"; do
       done
       run loss_curves python3 benchmarks/compare_curves.py --stem loss_curves_default \
         "$OUT"/metrics_loss_{torch-2048,torch-4096,native-2048,native-4096}.jsonl ;;
+    precision-curves)  # the default run in each host precision: what bf16's rounding costs, and bf16-sr wins back
+      export OFFLOAD_TRAIN_NO_BAR=1
+      for precision in mixed bf16 bf16-sr; do
+        run "precision_${precision}" offload-train --out "/tmp/run_precision_${precision}" --precision "$precision"
+        cp "/tmp/run_precision_${precision}/metrics.jsonl" "$OUT/metrics_precision_${precision}.jsonl"
+      done
+      title="offload-train's default run by host precision (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+      run precision_curves python3 benchmarks/compare_curves.py --stem precision_curves_default \
+        --png "$OUT/precision_curves_default.png" --title "$title" "$OUT"/metrics_precision_{mixed,bf16,bf16-sr}.jsonl ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train)  # TRAIN_MODES: a shorter list when device time is short

@@ -69,17 +69,19 @@ def test_master_weights_keep_fp32_state_and_round_into_bf16_params() -> None:
         assert torch.equal(p.detach(), state["master_param"].bfloat16())
 
 
-@pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_state_dict_round_trip_continues_identically(dtype, master) -> None:
+@pytest.mark.parametrize("dtype, master, sr", [(torch.float32, False, False), (torch.bfloat16, False, False),
+                                              (torch.bfloat16, True, False), (torch.bfloat16, False, True)])
+def test_state_dict_round_trip_continues_identically(dtype, master, sr) -> None:
+    # With stochastic rounding, the restored step count and the seed give the resumed steps the same bits.
     model = _model(dtype)
-    opt = offload_ext.CPUAdamW(_groups(model), master_weights=master)
+    opt = offload_ext.CPUAdamW(_groups(model), master_weights=master, stochastic_rounding=sr, sr_seed=3)
     _train(model, opt, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     expected = _train(model, opt, 3, seed=9)
 
     restored = _model(dtype)
     restored.load_state_dict(saved_model)
-    opt2 = offload_ext.CPUAdamW(_groups(restored), master_weights=master)
+    opt2 = offload_ext.CPUAdamW(_groups(restored), master_weights=master, stochastic_rounding=sr, sr_seed=3)
     opt2.load_state_dict(saved_opt)
     for p in restored.parameters():
         state_dtype = torch.float32 if master else dtype
@@ -99,6 +101,11 @@ def test_loads_a_torch_adamw_state_dict() -> None:
     ours = offload_ext.CPUAdamW(_groups(ours_model))
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # state_dict() aliases live tensors
     assert _train(ours_model, ours, 3, seed=5) == pytest.approx(_train(ref_model, ref, 3, seed=5), rel=1e-6)
+
+
+def test_a_group_with_master_weights_and_stochastic_rounding_is_refused() -> None:
+    with pytest.raises(ValueError, match="master_weights or stochastic_rounding, not both"):
+        offload_ext.CPUAdamW(_model(torch.bfloat16).parameters(), master_weights=True, stochastic_rounding=True)
 
 
 def test_rejects_parameters_the_kernel_cannot_step() -> None:

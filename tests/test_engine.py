@@ -81,8 +81,10 @@ def test_a_unit_being_waited_on_is_stepped_before_other_queued_units() -> None:
     assert engine.stats()["wait_seconds"] > 0.3
 
 
-def _engine_units(engine: Any, sizes: list[int], precision: str) -> tuple[list[int], list[list[torch.Tensor | None]]]:
-    """Engine units over fresh random tensors (kept alive in the returned list)."""
+def _engine_units(engine: Any, sizes: list[int], precision: str,
+                  groups: list[tuple[int, int, int]] = ()) -> tuple[list[int], list[list[torch.Tensor | None]]]:
+    """Engine units over fresh random tensors (kept alive in the returned list); "bf16-sr": unit k draws
+    stream k of seed 9."""
     state = torch.float32 if precision == "mixed" else torch.bfloat16
     g = torch.Generator().manual_seed(0)
     units, tensors = [], []
@@ -91,13 +93,14 @@ def _engine_units(engine: Any, sizes: list[int], precision: str) -> tuple[list[i
              torch.randn(n, generator=g).to(state), torch.rand(n, generator=g).to(state),
              torch.empty(n, dtype=torch.bfloat16) if precision == "mixed" else None,
              torch.randn(n, generator=g).to(torch.bfloat16)]
-        units.append(engine.add_unit(*t[:4], t[4], accum=t[5]))
+        sr = dict(sr_seed=9, sr_stream=len(units)) if precision == "bf16-sr" else {}
+        units.append(engine.add_unit(*t[:4], t[4], accum=t[5], groups=list(groups), **sr))
         tensors.append(t)
     engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
     return units, tensors
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed"])
 def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision: str) -> None:
     results = []
     for slice_elements in (None, 1000):  # 1000: slices end off the SIMD width, in the scalar tail
@@ -122,26 +125,29 @@ def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision: s
         assert torch.equal(a, b)
 
 
-def _speculative_unit(engine: Any, n: int) -> tuple[int, list[torch.Tensor]]:
-    """A bf16 unit with second buffers; its gradient lands in its accum (kept for a redo), as the backend's."""
+def _speculative_unit(engine: Any, n: int, sr: bool = False) -> tuple[int, list[torch.Tensor]]:
+    """A bf16 unit with second buffers; its gradient lands in its accum (kept for a redo), as the backend's.
+    `sr`: rounded stochastically ("bf16-sr")."""
     g = torch.Generator().manual_seed(0)
     param, m = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     v, grad = torch.rand(n, generator=g).bfloat16(), torch.zeros(n, dtype=torch.bfloat16)
     alt = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(3)]
-    unit = engine.add_unit(param, grad, m, v, accum=grad, alt=alt)
+    unit = engine.add_unit(param, grad, m, v, accum=grad, alt=alt, sr_seed=2 if sr else None)
     engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
     return unit, [param, grad, m, v, *alt]
 
 
-def test_a_redo_of_a_speculative_step_whose_copy_is_still_in_flight_goes_behind_it() -> None:
+@pytest.mark.parametrize("sr", [False, True])
+def test_a_redo_of_a_speculative_step_whose_copy_is_still_in_flight_goes_behind_it(sr: bool) -> None:
     # The norm was taken on the device, so the copy queues the speculative step itself; wait_norms must
-    # cover the copy's landing, or the redo would be queued (and run) before the step it redoes.
+    # cover the copy's landing, or the redo would be queued (and run) before the step it redoes. With
+    # stochastic rounding, the redo from the second buffers draws the clipped step's bits.
     n = 4096
     landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
     results = []
     for delay_us in (0, 20_000):
         engine = _engine()
-        u, t = _speculative_unit(engine, n)
+        u, t = _speculative_unit(engine, n, sr)
         engine.set_debug_delay_us(delay_us)
         if delay_us:  # in flight when the norm is decided
             engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.SPECULATIVE_STEP)
@@ -157,6 +163,28 @@ def test_a_redo_of_a_speculative_step_whose_copy_is_still_in_flight_goes_behind_
         results.append([x.clone() for x in live])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_bf16_sr_unit_draws_the_bits_of_its_index_in_every_group_range_and_slice() -> None:
+    # Two groups with the same hyperparameters step the unit in two pieces (and slices of 999 cut those):
+    # each piece draws from its offset in the unit, so the result is the one-range unit's, and the op's
+    # on the whole span from the same stream.
+    n, cut = 10_007, 3_001
+    results = []
+    for groups, slice_elements in (((), None), (((0, 0, cut), (1, cut, n)), 999)):
+        engine = _engine(num_threads=2)
+        if slice_elements:
+            engine.set_slice_elements(slice_elements)
+        (u,), tensors = _engine_units(engine, [n], "bf16-sr", groups)
+        engine.set_hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3, group=1)
+        engine.notify(u)
+        engine.wait_unit(u)
+        results.append(tensors[0][:4])
+    (_,), (op,) = _engine_units(_engine(), [n], "bf16-sr")
+    ops.adamw_step(*op[:4], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, sr_seed=9,
+                   sr_stream=0)
+    for a, b, c in zip(*results, op[:4]):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> None:

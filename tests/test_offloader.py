@@ -61,6 +61,81 @@ def test_python_and_native_backends_agree_in_mixed_precision() -> None:
         assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
 
 
+def _run_state(base: nn.Module, backend: str, steps: int = 4, **kw) -> tuple[list[float], list[torch.Tensor], dict]:
+    """(losses, trained weights, host state) of a bf16-sr run on the simulated device."""
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="bf16-sr", backend=backend, device="cpu",
+                                sr_seed=5, **kw)
+    losses = offloaded_training(off, model, batches(steps * off.grad_accum))
+    state = off.state_dict()
+    off.close()
+    return losses, [p.detach().clone() for p in model.parameters()], state
+
+
+# The python backend steps bf16-sr by offload_ext.stochastic_rounding's torch ops, the native one by the
+# kernel; the variants take the engine through group ranges, slices, accumulation inside the step, speculative
+# steps and their redos (the python backend clips after backward), the part outside the stacks as a unit, and
+# resident layers and device-kept parameters stepped by the torch ops on the device.
+@pytest.mark.parametrize("common, native_only", [
+    ({}, {}),
+    ({"no_decay": ("norm", "bias")}, {"slice_elements": 777, "num_threads": 2}),
+    ({"grad_accum": 2, "max_grad_norm": 0.5}, {}),
+    ({"offload_all": True, "resident_layers": 1}, {}),
+])
+def test_python_and_native_backends_agree_bit_for_bit_in_bf16_sr(common, native_only) -> None:
+    base = tiny_llama(layers=3)
+    python = _run_state(base, "python", **common)
+    native = _run_state(base, "native", **common, **native_only)
+    assert python[0] == native[0]
+    for a, b in zip(python[1], native[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(python[2]["layers"], native[2]["layers"]):
+        assert all(torch.equal(a[k], b[k]) for k in ("params", "exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed
+def test_bf16_sr_speculative_clipping_equals_clipping_after_backward_bit_for_bit(max_grad_norm) -> None:
+    # A redo draws the bits the clipped step would have drawn in the first place; a commit, the unclipped one's.
+    base, data = tiny_llama(layers=4), batches(8)
+    spec = _clipped_run(base, data, "native", "bf16-sr", max_grad_norm, speculative_clip=True)
+    after = _clipped_run(base, data, "native", "bf16-sr", max_grad_norm, speculative_clip=False)
+    assert set(spec[3]) == {"redone" if max_grad_norm < 1 else "committed"}
+    assert spec[0] == after[0] and spec[1] == after[1]
+    for a, b in zip(spec[2].parameters(), after[2].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_sr_training_is_reproducible_from_its_seed() -> None:
+    base = tiny_llama(layers=2)
+    runs = []
+    for seed in (1, 1, 2):
+        model = copy.deepcopy(base)
+        off = offload_ext.Offloader(model, lr=LR, precision="bf16-sr", device="cpu", sr_seed=seed)
+        offloaded_training(off, model, batches(3))
+        off.close()
+        runs.append(dict(model.named_parameters()))
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):  # device-kept, streamed
+        assert torch.equal(runs[0][name], runs[1][name]) and not torch.equal(runs[0][name], runs[2][name])
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_bf16_sr_moves_streamed_and_device_kept_weights_that_bf16_freezes(backend) -> None:
+    # Norm weights start at 1.0, whose bf16 neighbours are 2^-8 below and 2^-7 above. Adam's steps are at most
+    # (1 - beta1) / sqrt(1 - beta2) ~ 3.2 times lr = 5e-4, under half the gap below: rounded to nearest, no
+    # norm weight ever moves. Rounded stochastically, one moves in a step with a probability of its step over
+    # the gap: ~20 % of them in 10 steps here (at least 8 of 64 asked).
+    base = tiny_llama(layers=2)
+    norms = {}
+    for precision in ("bf16", "bf16-sr"):
+        model = copy.deepcopy(base)
+        off = offload_ext.Offloader(model, lr=5e-4, precision=precision, backend=backend, device="cpu")
+        offloaded_training(off, model, batches(10))
+        off.close()
+        norms[precision] = [model.model.norm.weight, model.model.layers[1].input_layernorm.weight]
+    for frozen, moved in zip(norms["bf16"], norms["bf16-sr"]):  # the device optimizer's, a host unit's
+        assert torch.all(frozen == 1.0) and (moved != 1.0).sum() >= 8
+
+
 # With clipping, the native backend's speculative steps leave a unit's params in its second buffer: the
 # frozen part must be there too, or the next forward reads zeros (never triggers / triggers every step).
 @pytest.mark.parametrize("max_grad_norm", [None, 1e6, 0.5])
@@ -100,7 +175,7 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed"])
 def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -> None:
     # save_state writes the host buffers from where they live (no copy in memory) and load_state reads
     # them back into place: the same run as state_dict / load_state_dict, after speculative steps too.
@@ -171,6 +246,10 @@ def test_every_simd_level_trains_accumulation_and_speculative_clipping_exactly(l
     assert losses == reference_training(base, data, "mixed", LR, WD, micro_batches=2, max_grad_norm=0.5,
                                         norms=exact_norms, exact_clip=True)[0]
     assert set(actions) == {"redone"} and norms == pytest.approx(exact_norms, rel=1e-12)
+    # bf16-sr's redone steps at this level draw the bits of the python backend's torch ops
+    native, python = (_clipped_run(base, data, b, "bf16-sr") for b in ("native", "python"))
+    assert native[0] == python[0] and all(torch.equal(a, b) for a, b in zip(native[2].parameters(),
+                                                                           python[2].parameters()))
 
 
 def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -> None:

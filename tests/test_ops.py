@@ -24,15 +24,17 @@ def _rows(device: str, dtype: torch.dtype, rows: int = 7, vocab: int = 37,
     return logits, labels.to(device)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp32", "mixed"])
+@pytest.mark.parametrize("mode", ["bf16", "bf16-sr", "fp32", "mixed"])
 def test_adamw_step_passes_opcheck(mode: str) -> None:
     gen = torch.Generator().manual_seed(0)
     n = 1000
-    state = torch.bfloat16 if mode == "bf16" else torch.float32
+    state = torch.bfloat16 if mode.startswith("bf16") else torch.float32
     grad = torch.randn(n, generator=gen).to(torch.float32 if mode == "fp32" else torch.bfloat16)
     param_out = torch.empty(n, dtype=torch.bfloat16) if mode == "mixed" else None
     args = (torch.randn(n, generator=gen).to(state), grad, torch.randn(n, generator=gen).to(state),
             torch.rand(n, generator=gen).to(state), param_out, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    if mode == "bf16-sr":  # sr_seed, sr_stream, sr_offset
+        args += (7, 2, 1 << 33)
     torch.library.opcheck(torch.ops.offload_ext.adamw_step.default, args)
 
 

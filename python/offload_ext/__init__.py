@@ -8,7 +8,7 @@ from .layers import enable_activation_checkpointing
 from .losses import causal_lm_loss, lm_head_loss
 from .offloader import Offloader
 from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
-from .optim import CPUAdamW
+from .optim import CPUAdamW, StochasticAdamW
 
 __all__ = [
     "__version__",
@@ -19,6 +19,7 @@ __all__ = [
     "set_simd_level",
     "supported_simd_level",
     "CPUAdamW",
+    "StochasticAdamW",
     "causal_lm_loss",
     "enable_activation_checkpointing",
     "lm_head_loss",

@@ -1,5 +1,6 @@
 """Device optimizer: the parameters outside the stacks, kept on the device and stepped there by
-torch's fused AdamW (on fp32 masters in "mixed"), with the hyperparameters of each one's group."""
+torch's fused AdamW (on fp32 masters in "mixed"; in "bf16-sr" stored by stochastic rounding, the host
+kernel's rule in torch ops), with the hyperparameters of each one's group."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optim import StochasticAdamW
+from .stochastic_rounding import DEVICE_STREAMS
+
 
 class DeviceOptimizer:
     def __init__(self, params: tuple[nn.Parameter, ...], model: nn.Module, device: torch.device,
-                 precision: str, hypers: list[dict[str, Any]], group_of: Callable[[nn.Parameter], int]) -> None:
+                 precision: str, hypers: list[dict[str, Any]], group_of: Callable[[nn.Parameter], int],
+                 sr_seed: int = 0) -> None:
         self.params = params
         self.mixed = precision == "mixed"
         self.trainable = [p for p in params if p.requires_grad]
@@ -26,7 +31,12 @@ class DeviceOptimizer:
             by_group.setdefault(group_of(p), []).append(s)
         self.groups = sorted(by_group)  # the Offloader's group index of each torch group
         torch_groups = [{"params": by_group[g], **hypers[g]} for g in self.groups]
-        self.opt = torch.optim.AdamW(torch_groups, fused=True) if torch_groups else None
+        if not torch_groups:
+            self.opt = None
+        elif precision == "bf16-sr":  # streams past the host units', which count from 0
+            self.opt = StochasticAdamW(torch_groups, seed=sr_seed, first_stream=DEVICE_STREAMS)
+        else:
+            self.opt = torch.optim.AdamW(torch_groups, fused=True)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]

@@ -3,7 +3,7 @@
 and reports its peak resident memory, its resident memory before the load, the engine's own state and
 the times; and a writer of random safetensors checkpoints of any config to load.
 
-    python -m offload_ext.load_probe DIR [--via engine|transformers] [--precision bf16|mixed]
+    python -m offload_ext.load_probe DIR [--via engine|transformers] [--precision bf16|bf16-sr|mixed]
         [--device cpu|cuda] [--step BATCHxSEQ]
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
     ap.add_argument("--via", choices=("engine", "transformers"), default="engine")
-    ap.add_argument("--precision", choices=("bf16", "mixed"), default="bf16")
+    ap.add_argument("--precision", choices=("bf16", "bf16-sr", "mixed"), default="bf16")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the simulated device")
     ap.add_argument("--step", default=None, help="BATCHxSEQ: run one training step of that shape after the load")
     a = ap.parse_args()

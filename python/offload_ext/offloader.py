@@ -62,6 +62,10 @@ class Offloader(torch.optim.Optimizer):
 
     off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
     loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
+
+    precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
+    stochastic rounding drawn from `sr_seed`: see offload_ext.stochastic_rounding) or "mixed" (fp32 masters
+    and moments).
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class Offloader(torch.optim.Optimizer):
         accumulate_on_device: bool | None = None,
         resident_layers: int = 0,
         weights: WeightSource | None = None,
+        sr_seed: int = 0,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -120,7 +125,7 @@ class Offloader(torch.optim.Optimizer):
             grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
             async_step=async_step is not False, grad_accum=self._policy.host_grad_accum,
             speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset(),
-            hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset())
+            hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset(), sr_seed=sr_seed)
         outside = (self.layout.outside,) if self.layout.outside is not None else ()
         self._backend.plan(_sizes(self.layout.stacks), _sizes(outside))  # the memory check: nothing allocated yet
         check_materialized(model, weights)
@@ -138,7 +143,7 @@ class Offloader(torch.optim.Optimizer):
         self._rings, self._grad_paths = self._device_side(device_layers)
         t2 = time.perf_counter()
         self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
-                                           self._hyper_dicts(), group_of)
+                                           self._hyper_dicts(), group_of, sr_seed)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         self._hooks = [h for path in self._grad_paths for h in path.hook()]
         for stack, ring in zip(self.layout.stacks, self._rings):

@@ -1,12 +1,14 @@
-"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters."""
+"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters; and
+StochasticAdamW, bf16 AdamW with stochastic rounding in torch ops on any device."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
 
 from .ops import adamw_step
+from .stochastic_rounding import adamw_step_sr
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -23,11 +25,33 @@ def _check_param(p: torch.Tensor) -> None:
                          "make them contiguous before building the optimizer, e.g. p.data = p.data.contiguous()")
 
 
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _stepped(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, int]]:
+    """(group, parameter, its index counting through the groups in order) of each parameter with a
+    gradient: the index is the parameter's stochastic rounding stream."""
+    index = 0
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, index
+            index += 1
+
+
 class CPUAdamW(torch.optim.Optimizer):
     """Drop-in for torch.optim.AdamW on CPU parameters (amsgrad=False, maximize=False).
 
     `master_weights=True` keeps an fp32 master copy and fp32 moments for bf16 parameters: the kernel
     updates the master and writes the rounded bf16 value into the parameter in the same pass.
+    `stochastic_rounding=True` keeps bf16 parameters and bf16 moments, as without it, but stores the
+    parameters and exp_avg_sq by stochastic rounding (offload_ext.stochastic_rounding's rule): parameter k
+    of the optimizer, counting through the groups in order, draws stream k of `sr_seed`. Both are group
+    options for bf16 parameters; a group takes one of them at most.
     State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`.
     """
 
@@ -39,6 +63,8 @@ class CPUAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        sr_seed: int = 0,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -50,11 +76,23 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
+                        stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)
+        self.sr_seed = sr_seed
         for group in self.param_groups:
+            if group["master_weights"] and group["stochastic_rounding"]:
+                raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
             for p in group["params"]:
                 _check_param(p)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A loaded state dict's groups replace these (torch.optim.AdamW's carry neither key): what it
+        # lacks keeps this optimizer's choice.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in ("master_weights", "stochastic_rounding"):
+                group.setdefault(key, self.defaults[key])
 
     @staticmethod
     def _uses_master(p: torch.Tensor, group: dict[str, Any]) -> bool:
@@ -75,36 +113,28 @@ class CPUAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdamW does not support sparse gradients")
-                grad = p.grad.detach()
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
-                state = self._init_state(p, group)
-                state["step"] += 1
-                master = state.get("master_param")
-                adamw_step(
-                    master if master is not None else p.detach(),
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    param_out=p.detach() if master is not None else None,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(state["step"].item()),
-                )
+        loss = _closure_loss(closure)
+        for group, p, stream in _stepped(self.param_groups):
+            if p.grad.is_sparse:
+                raise RuntimeError("CPUAdamW does not support sparse gradients")
+            state = self._init_state(p, group)
+            state["step"] += 1
+            master = state.get("master_param")
+            adamw_step(
+                master if master is not None else p.detach(),
+                p.grad.detach().contiguous(),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                param_out=p.detach() if master is not None else None,
+                lr=group["lr"],
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=int(state["step"].item()),
+                sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
+                sr_stream=stream,
+            )
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -128,3 +158,36 @@ class CPUAdamW(torch.optim.Optimizer):
                 for key in _FP32_STATES:
                     if key in state and not state[key].is_contiguous():
                         state[key] = state[key].contiguous()
+
+
+class StochasticAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW over bf16 parameters on any device, with bf16 moments (in the state under torch's
+    keys), stepped by stochastic_rounding.adamw_step_sr: what CPUAdamW(stochastic_rounding=True) does on
+    the CPU, bit for bit, in torch ops. Parameter k (counting through the groups in order) draws stream
+    `first_stream + k` of `seed`."""
+
+    def __init__(self, params: Any, *, seed: int, first_stream: int = 0, **kwargs: Any) -> None:
+        if kwargs.get("amsgrad") or kwargs.get("maximize"):
+            raise ValueError("StochasticAdamW: amsgrad and maximize are not supported")
+        super().__init__(params, **kwargs)
+        self.seed, self.first_stream = seed, first_stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16 or not p.is_contiguous():
+                    raise ValueError("StochasticAdamW: parameters must be contiguous bf16 tensors")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = _closure_loss(closure)
+        for group, p, index in _stepped(self.param_groups):
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            adamw_step_sr(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                          beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                          weight_decay=group["weight_decay"], step=int(state["step"].item()), sr_seed=self.seed,
+                          sr_stream=self.first_stream + index)
+        return loss

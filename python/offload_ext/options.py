@@ -5,7 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("bf16", "mixed")
+# "bf16": bf16 params and moments, rounded to nearest; "bf16-sr": the same buffers, params and exp_avg_sq
+# rounded stochastically (offload_ext.stochastic_rounding); "mixed": fp32 master and moments, bf16 params
+# for the device.
+PRECISIONS = ("bf16", "bf16-sr", "mixed")
 BACKENDS = ("native", "python")
 
 

@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "backward and are redone exactly when the norm clips; metrics log 'clip')")
     ap.add_argument("--backend", choices=["none", "python", "native"], default="native",
                     help="none = no offload (the model and optimizer on the device)")
-    ap.add_argument("--precision", choices=["bf16", "mixed"], default="bf16")
+    ap.add_argument("--precision", choices=["bf16", "bf16-sr", "mixed"], default="bf16",
+                    help="bf16 params and moments; bf16-sr: the same, params and exp_avg_sq stored by stochastic "
+                         "rounding (seeded by --seed); mixed: fp32 masters and moments on the host")
     ap.add_argument("--offload-all", action="store_true",
                     help="also keep the embeddings, final norm and head's grads and optimizer state on the host")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or cpu-sim (offload engine on the "

@@ -52,7 +52,7 @@ class Trainer:
                                  offload_all=args.offload_all, grad_accum=args.grad_accum,
                                  max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
                                  accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
-                                 resident_layers=args.resident_layers, weights=weights)
+                                 resident_layers=args.resident_layers, weights=weights, sr_seed=args.seed)
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
@@ -85,13 +85,18 @@ class Trainer:
         if self.device.type == "cuda" and a.precision == "mixed":
             raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
                              "use --backend native, or --precision bf16 with --backend none")
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and a.precision == "bf16-sr":
+            from .optim import StochasticAdamW
+
+            self.opt = StochasticAdamW(params, seed=a.seed, lr=a.lr, weight_decay=a.weight_decay)
+        elif self.device.type == "cuda":
             self.opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=True)
         else:
             from .optim import CPUAdamW
 
             print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
-            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed")
+            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed",
+                                stochastic_rounding=a.precision == "bf16-sr", sr_seed=a.seed)
 
     def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None]) -> float:
         """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss."""

@@ -25,7 +25,7 @@ class LayerBuffers:
     params: torch.Tensor            # bf16, pinned: the H2D source
     grads: torch.Tensor             # bf16, pinned: the D2H target (trainable part only; the native
                                     # backend's layers share a small ring of these)
-    exp_avg: torch.Tensor           # bf16 ("bf16") or fp32 ("mixed")
+    exp_avg: torch.Tensor           # bf16 ("bf16", "bf16-sr") or fp32 ("mixed")
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix

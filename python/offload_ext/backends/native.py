@@ -41,7 +41,7 @@ def default_grad_slots(precision: str, layers: int, accumulate: bool = False) ->
     # quicker): the step is slower than the backward, a backlog builds up, and a full ring would stall
     # backward: one slot per layer (2 more bytes per parameter of pinned memory; pass grad_slots to
     # trade it back when host memory is tight).
-    return 6 if precision == "bf16" and not accumulate else layers
+    return 6 if precision != "mixed" and not accumulate else layers
 
 
 def available_host_bytes() -> int | None:
@@ -74,7 +74,8 @@ def check_host_memory(pinned: int, pageable: int, second: int, precision: str, a
     if second:
         fixes.append(f"speculative_clip=False (saves {second / gb:.1f} GB; clipping then waits for backward)")
     if precision == "mixed":
-        fixes.append("precision='bf16' (bf16 moments, no fp32 master)")
+        fixes.append("precision='bf16-sr' or 'bf16' (bf16 moments, no fp32 master: a third of the state; "
+                     "bf16-sr's stochastic rounding keeps updates below a bf16 ulp that bf16 loses)")
     fixes.append("fewer trainable parameters (freeze some, or LoRA) or a smaller model")
     done = pinning or "nothing was allocated"
     raise MemoryError(f"Offloader: the host buffers need {(pinned + pageable) / gb:.1f} GB ({pinned / gb:.1f} GB "
@@ -87,8 +88,10 @@ class NativeBackend(Backend):
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
-                 grad_accum: int = 1, **_: Any) -> None:
+                 grad_accum: int = 1, sr_seed: int = 0, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
+        # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
+        self._sr_seed = sr_seed if precision == "bf16-sr" else None
         # Clipping: these units (given second buffers) step as their gradients land and are redone exactly
         # if the norm clips; the others wait for the norm. After a step that clipped, only hedged_units
         # speculate. prepare() drops the lowest of them when host memory cannot hold their second buffers.
@@ -276,7 +279,8 @@ class NativeBackend(Backend):
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
-                          alt=[alt[0][:trainable], *alt[1:]] if alt else [])
+                          alt=[alt[0][:trainable], *alt[1:]] if alt else [], sr_seed=self._sr_seed,
+                          sr_stream=self._count)
         if unit != self._count:
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1

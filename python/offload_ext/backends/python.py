@@ -3,7 +3,8 @@
 It is the honest baseline for the native backend: the same hooks and layout, and a copy is never
 used before it has landed (in forward and in activation-checkpointing recompute alike). Its CPU step
 runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
-land, so the first layers are stepped while the GPU finishes backward. On the simulated device, copies run
+land, so the first layers are stepped while the GPU finishes backward ("bf16-sr": the same in
+stochastic_rounding's torch ops, the native kernel's reference). On the simulated device, copies run
 on one worker thread per direction and events are futures.
 
 Pinned buffers come from one host allocation, faulted in by torch's threads and then page-locked with a
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..stochastic_rounding import adamw_step_sr
 from ..timeline import Timeline, span
 from .base import Backend, Hyper, LayerBuffers
 
@@ -114,8 +116,10 @@ class _PinnedArena:
 
 
 class PythonBackend(Backend):
-    def __init__(self, device: torch.device, precision: str, accumulate: bool = False, **_: Any) -> None:
+    def __init__(self, device: torch.device, precision: str, accumulate: bool = False, sr_seed: int = 0,
+                 **_: Any) -> None:
         super().__init__(device, precision, accumulate)
+        self._sr_seed = sr_seed
         self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
         self._pin = device.type == "cuda"
         self._layers: list[LayerBuffers] = []
@@ -265,6 +269,9 @@ class PythonBackend(Backend):
         if self._fail_next_step:
             self._fail_next_step = False
             raise RuntimeError(f"PythonBackend: injected failure while stepping layers {sorted(stepped)}")
+        if self.precision == "bf16-sr":
+            self._step_layers_sr(stepped)
+            return
         opt = self._torch_optimizer()
         for g, group in zip(self._torch_groups, opt.param_groups):
             h = self._hypers[g]
@@ -283,6 +290,18 @@ class PythonBackend(Backend):
                 p.grad = None
             if self.precision == "mixed":
                 self._layers[i].trainable_params.copy_(self._layers[i].master)
+
+    def _step_layers_sr(self, stepped: set[int]) -> None:
+        """The layers in `stepped` stepped with stochastic rounding: layer i draws stream i (the engine's
+        unit i), each group range from its offset in the layer."""
+        for i in stepped:
+            layer = self._layers[i]
+            grad = layer.accum if layer.accum is not None else layer.grads
+            for g, _, b, e in self._params[i]:
+                h = self._hypers[g]
+                adamw_step_sr(layer.params[b:e], grad[b:e], layer.exp_avg[b:e], layer.exp_avg_sq[b:e], lr=h.lr,
+                              beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=h.step,
+                              sr_seed=self._sr_seed, sr_stream=i, sr_offset=b)
 
     def start_trace(self) -> None:
         self._timeline = Timeline()

@@ -2,6 +2,8 @@
 // cache-line-aligned chunks for the ThreadPool.
 #include "adamw.h"
 
+#include "stochastic_rounding.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -166,10 +168,29 @@ Fp32Pass offset(const Fp32Pass& a, int64_t i) {
 
 }  // namespace
 
-void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
+                const std::optional<SrStream>& sr) {
   const AdamWCoef c = make_coef(h);
   auto span = by_level(level, adamw_bf16_span_avx512, adamw_bf16_span_avx2, adamw_bf16_span_scalar);
-  for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
+  if (!sr) {
+    for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });
+    return;
+  }
+  for_chunks(n, pool, [&](int64_t b, int64_t e) {
+    // The stream's key changes where index >> 32 does: each span gets one key, its lanes the low bits.
+    for (int64_t i = b; i < e;) {
+      const uint64_t index = static_cast<uint64_t>(sr->index + i);
+      const uint64_t to_next = (uint64_t{1} << 32) - (index & 0xffffffffu);
+      const int64_t len = static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(e - i), to_next));
+      const uint64_t key = sr_key(sr->seed, sr->stream, h.step, index >> 32);
+      AdamWCoef piece = c;
+      piece.stochastic = true;
+      piece.sr_key = static_cast<uint32_t>(key);
+      piece.sr_index = static_cast<uint32_t>(index);
+      span(offset(pass, i), len, piece);
+      i += len;
+    }
+  });
 }
 
 void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq, int64_t n,

@@ -1,8 +1,10 @@
 // Fused AdamW over one contiguous span, with torch.optim.AdamW's arithmetic, in three
-// precision modes, SIMD-dispatched at run time and spread over the library's ThreadPool.
+// precision modes (bf16 with round-to-nearest or stochastic rounding, mixed, fp32), SIMD-dispatched at
+// run time and spread over the library's ThreadPool.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "thread_pool.h"
 
@@ -45,6 +47,12 @@ struct AdamWCoef {
   // (non-temporal stores).
   int64_t prefetch = 0;
   bool stream_out = false;
+  // Stochastic rounding of a bf16 pass (stochastic_rounding.h): uint32(K) of the elements of this span,
+  // and the low 32 bits of the stream index of its element 0 (the dispatcher cuts spans where the high
+  // bits change, so lanes count on in 32 bits).
+  bool stochastic = false;
+  uint32_t sr_key = 0;
+  uint32_t sr_index = 0;
 };
 
 // Memory tuning knobs (process-wide, atomic): see AdamWCoef. Defaults come from
@@ -89,8 +97,18 @@ struct Fp32Pass {
   float grad_scale = 1.0f;     // != 1: bf16 grads only, the step uses bf16(grad * grad_scale)
 };
 
-// "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32.
-void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);
+// Where a bf16 pass draws its stochastic rounding bits (stochastic_rounding.h): (seed, stream) name the
+// stream, `index` is the stream index of the pass's element 0 (a slice of a unit starts past 0).
+struct SrStream {
+  uint64_t seed;
+  uint64_t stream;
+  int64_t index;
+};
+
+// "bf16" mode: param, grad, exp_avg, exp_avg_sq all bf16 (bits as uint16_t); math in fp32. With `sr`
+// ("bf16-sr"), param and exp_avg_sq are stored by stochastic rounding instead of to nearest even.
+void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
+                const std::optional<SrStream>& sr = std::nullopt);
 void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
                 int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level);  // in place
 

@@ -24,18 +24,36 @@ struct Avx2Vec {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static __m128i to_bf16(F x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  // The upper halves of x's bits with a rounding increment added (NaN: 0x7fc0), packed to 16-bit lanes.
+  static __m128i pack_bf16(F x, __m256i increment) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), increment), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
     // packus works per 128-bit lane; the permute gathers both lanes' halves into the low lane.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     return _mm256_castsi256_si128(packed);
   }
+  static __m128i to_bf16(F x) {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), _mm256_set1_epi32(1));
+    return pack_bf16(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  }
   static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream_bf16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  using I = __m256i;
+  static I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I iota(uint32_t base) { return _mm256_add_epi32(iset1(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int k>
+  static I shr(I a) { return _mm256_srli_epi32(a, k); }
+  static void store_bf16_sr(uint16_t* p, F x, I r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r));
+  }
+  static void stream_bf16_sr(uint16_t* p, F x, I r) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r));
+  }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

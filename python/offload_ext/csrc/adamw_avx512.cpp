@@ -24,15 +24,35 @@ struct Avx512Vec {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  static __m256i to_bf16(F x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  // The upper halves of x's bits with a rounding increment added (NaN: 0x7fc0), packed to 16-bit lanes.
+  static __m256i pack_bf16(F x, __m512i increment) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), increment), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
   }
+  static __m256i to_bf16(F x) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(1));
+    return pack_bf16(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  }
   static void store_bf16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
   static void stream_bf16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  using I = __m512i;
+  static I iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I iota(uint32_t base) {
+    return _mm512_add_epi32(iset1(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int k>
+  static I shr(I a) { return _mm512_srli_epi32(a, k); }
+  static void store_bf16_sr(uint16_t* p, F x, I r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x, r));
+  }
+  static void stream_bf16_sr(uint16_t* p, F x, I r) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x, r));
+  }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

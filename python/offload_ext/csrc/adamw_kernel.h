@@ -11,6 +11,7 @@
 
 #include "adamw.h"
 #include "bf16.h"
+#include "stochastic_rounding.h"
 
 namespace offload_ext {
 namespace {
@@ -34,6 +35,18 @@ struct ScalarVec {
   static F sqrt(F a) { return __builtin_sqrtf(a); }
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static F round_bf16(F x) { return bf16_to_float(bf16_round_bits(x)); }
+  // 32-bit integer lanes for stochastic rounding's random stream, and its rounding (r in [0, 65536)).
+  using I = uint32_t;
+  static I iset1(uint32_t x) { return x; }
+  static I iota(uint32_t base) { return base; }  // base + lane
+  static I iadd(I a, I b) { return a + b; }
+  static I ixor(I a, I b) { return a ^ b; }
+  static I iand(I a, I b) { return a & b; }
+  static I imul(I a, I b) { return a * b; }
+  template <int k>
+  static I shr(I a) { return a >> k; }
+  static void store_bf16_sr(uint16_t* p, F x, I r) { *p = bf16_sr_bits(x, r); }
+  static void stream_bf16_sr(uint16_t* p, F x, I r) { *p = bf16_sr_bits(x, r); }
   // Float64 sums of squares, in two accumulators of lanes (one lane each here).
   using D = double;
   static D dzero() { return 0.0; }
@@ -79,11 +92,34 @@ template <class V, bool kStream>
 inline void put_f32(float* p, typename V::F x) {
   kStream ? V::stream_f32(p, x) : V::store_f32(p, x);
 }
+template <class V, bool kStream>
+inline void put_bf16_sr(uint16_t* p, typename V::F x, typename V::I r) {
+  kStream ? V::stream_bf16_sr(p, x, r) : V::store_bf16_sr(p, x, r);
+}
 
-template <class V, int kGrad, bool kStream>
+// The three stores of a bf16 pass at element i: to nearest even, or (kSR) param and exp_avg_sq by
+// stochastic_rounding.h's rule, `counter` holding the hash inputs of elements i .. i + W - 1.
+template <class V, bool kStream, bool kSR>
+inline void store_state_bf16(const Bf16Pass& a, int64_t i, typename V::I counter, typename V::F P, typename V::F M,
+                             typename V::F S) {
+  if (!kSR) {
+    put_bf16<V, kStream>(a.param + i, P);
+    put_bf16<V, kStream>(a.exp_avg + i, M);
+    put_bf16<V, kStream>(a.exp_avg_sq + i, S);
+    return;
+  }
+  const auto word = sr_hash32<V>(counter);
+  put_bf16_sr<V, kStream>(a.param + i, P, V::iand(word, V::iset1(0xffffu)));
+  put_bf16<V, kStream>(a.exp_avg + i, M);
+  put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::template shr<16>(word));
+}
+
+template <class V, int kGrad, bool kStream, bool kSR>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
-  for (; i + V::W <= n; i += V::W) {
+  // Stochastic rounding's hash inputs, uint32(index) + uint32(K) (stochastic_rounding.h), counted along.
+  auto counter = V::iota(c.sr_key + c.sr_index + static_cast<uint32_t>(i));
+  for (; i + V::W <= n; i += V::W, counter = V::iadd(counter, V::iset1(V::W))) {
     if (pf) {
       V::prefetch(a.param_in + i + pf);
       V::prefetch(a.grad + i + pf);
@@ -95,9 +131,7 @@ inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoe
     auto M = V::load_bf16(a.exp_avg_in + i);
     auto S = V::load_bf16(a.exp_avg_sq_in + i);
     adamw_update<V>(P, load_grad_bf16<V, kGrad>(a.grad, a.grad_add, a.grad_scale, i), M, S, c);
-    put_bf16<V, kStream>(a.param + i, P);
-    put_bf16<V, kStream>(a.exp_avg + i, M);
-    put_bf16<V, kStream>(a.exp_avg_sq + i, S);
+    store_state_bf16<V, kStream, kSR>(a, i, counter, P, M, S);
   }
   if (kStream) V::fence();
   return i;
@@ -147,7 +181,7 @@ inline int64_t head_elements(const void* p, size_t elem, size_t align, int64_t n
 
 inline bool aligned(const void* p, size_t align) { return reinterpret_cast<uintptr_t>(p) % align == 0; }
 
-template <class V, int kGrad>
+template <class V, int kGrad, bool kSR>
 inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   // Out of place (every output in a buffer other than its input), streamed once the stores are
   // vector-aligned.
@@ -157,24 +191,29 @@ inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
                       aligned(a.param + h, kA);
   if (!stream) {
-    const int64_t i = bf16_loop<V, kGrad, false>(a, 0, n, c);
-    bf16_loop<ScalarVec, kGrad, false>(a, i, n, c);
+    const int64_t i = bf16_loop<V, kGrad, false, kSR>(a, 0, n, c);
+    bf16_loop<ScalarVec, kGrad, false, kSR>(a, i, n, c);
     return;
   }
-  bf16_loop<ScalarVec, kGrad, false>(a, 0, h, c);
-  const int64_t i = bf16_loop<V, kGrad, true>(a, h, n, c);
-  bf16_loop<ScalarVec, kGrad, false>(a, i, n, c);
+  bf16_loop<ScalarVec, kGrad, false, kSR>(a, 0, h, c);
+  const int64_t i = bf16_loop<V, kGrad, true, kSR>(a, h, n, c);
+  bf16_loop<ScalarVec, kGrad, false, kSR>(a, i, n, c);
+}
+
+template <class V, bool kSR>
+inline void bf16_span_rounded(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
+  if (a.grad_add != nullptr) {
+    bf16_span_mode<V, kGradAdd, kSR>(a, n, c);
+  } else if (a.grad_scale != 1.0f) {
+    bf16_span_mode<V, kGradScale, kSR>(a, n, c);
+  } else {
+    bf16_span_mode<V, kGradPlain, kSR>(a, n, c);
+  }
 }
 
 template <class V>
 inline void bf16_span(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  if (a.grad_add != nullptr) {
-    bf16_span_mode<V, kGradAdd>(a, n, c);
-  } else if (a.grad_scale != 1.0f) {
-    bf16_span_mode<V, kGradScale>(a, n, c);
-  } else {
-    bf16_span_mode<V, kGradPlain>(a, n, c);
-  }
+  c.stochastic ? bf16_span_rounded<V, true>(a, n, c) : bf16_span_rounded<V, false>(a, n, c);
 }
 
 template <class V, bool kGradBF16, int kGrad, int kOut>

@@ -62,9 +62,20 @@ StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor
   return u;
 }
 
+std::optional<SrStream> checked_sr(const char* who, const StepUnit& unit, const std::optional<int64_t>& sr_seed,
+                                   int64_t sr_stream, int64_t sr_offset) {
+  if (!sr_seed.has_value()) return std::nullopt;
+  TORCH_CHECK(unit.bf16_mode, who, ": stochastic rounding (sr_seed) is for bf16 params, bf16 moments (bf16 mode); "
+              "an fp32 master needs none");
+  TORCH_CHECK(sr_offset >= 0, who, ": expected sr_offset >= 0 (the stream index of the span's element 0), got ",
+              num(sr_offset));
+  return SrStream{static_cast<uint64_t>(*sr_seed), static_cast<uint64_t>(sr_stream), sr_offset};
+}
+
 void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
-                    double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    std::optional<int64_t> sr_seed, int64_t sr_stream, int64_t sr_offset) {
   TORCH_CHECK(step >= 1, "adamw_step: expected step >= 1 (the 1-based count used for bias correction), got ",
               num(step));
   TORCH_CHECK(lr >= 0, "adamw_step: expected lr >= 0, got ", num(lr));
@@ -72,7 +83,8 @@ void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", num(beta2));
   TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", num(eps));
   TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
-  const StepUnit unit = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out);
+  StepUnit unit = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out);
+  unit.sr = checked_sr("adamw_step", unit, sr_seed, sr_stream, sr_offset);
   adamw_unit(unit, unit.grad, {lr, beta1, beta2, eps, weight_decay, step}, *global_pool());
 }
 

@@ -18,9 +18,15 @@ void check_span(const char* who, const at::Tensor& t, const char* name, int64_t 
 StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                       const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out);
 
-// torch.ops.offload_ext.adamw_step: one fused AdamW step over a span, in place, on the global pool.
+// The random stream of a bf16 unit stepped with stochastic rounding (sr_seed given), checked.
+std::optional<SrStream> checked_sr(const char* who, const StepUnit& unit, const std::optional<int64_t>& sr_seed,
+                                   int64_t sr_stream, int64_t sr_offset);
+
+// torch.ops.offload_ext.adamw_step: one fused AdamW step over a span, in place, on the global pool; with
+// sr_seed, bf16 stores round stochastically, drawing elements sr_offset.. of stream (sr_seed, sr_stream).
 void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
-                    double beta1, double beta2, double eps, double weight_decay, int64_t step);
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    std::optional<int64_t> sr_seed, int64_t sr_stream, int64_t sr_offset);
 
 }  // namespace offload_ext

@@ -67,7 +67,8 @@ TORCH_LIBRARY(offload_ext, m) {
   m.set_python_module("offload_ext.ops");
   m.def(
       "adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-      "Tensor(d!)? param_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step) -> ()");
+      "Tensor(d!)? param_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+      "int? sr_seed=None, int sr_stream=0, int sr_offset=0) -> ()");
   // overwrite: the backward may write the logits' gradient over the logits (only safe when nothing else
   // saved them); the forward kernels ignore it.
   m.def("cross_entropy_rows(Tensor logits, Tensor labels, int ignore_index, bool overwrite=False) -> "
@@ -153,10 +154,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
            py::arg("groups") = std::vector<std::tuple<int, int64_t, int64_t>>{},
-           py::arg("alt") = std::vector<at::Tensor>{},
+           py::arg("alt") = std::vector<at::Tensor>{}, py::arg("sr_seed") = py::none(), py::arg("sr_stream") = 0,
            "A unit to step; `groups`: (parameter group, begin, end) ranges covering it, in order (default: all "
            "of it in group 0); `alt`: second state buffers [like param, like exp_avg, like exp_avg_sq] for "
-           "speculative clipping.")
+           "speculative clipping; `sr_seed` (bf16 units): stochastic rounding from stream (sr_seed, sr_stream).")
       .def("set_hyper", &Engine::set_hyper, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("step"), py::arg("group") = 0)
       .def("notify", &Engine::notify, py::arg("unit"), "Queue a step of `unit` with gradients already in place.")

@@ -222,8 +222,10 @@ int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                      const std::optional<at::Tensor>& accum,
                      const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
-                     const std::vector<at::Tensor>& alt) {
+                     const std::vector<at::Tensor>& alt, const std::optional<int64_t>& sr_seed,
+                     int64_t sr_stream) {
   StepUnit u = checked_unit("Engine.add_unit", param, grad, exp_avg, exp_avg_sq, param_out);
+  u.sr = checked_sr("Engine.add_unit", u, sr_seed, sr_stream, 0);
   if (accum.has_value()) {
     check_span("Engine.add_unit", *accum, "accum", u.numel);
     TORCH_CHECK(accum->scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16,

@@ -50,7 +50,7 @@ class Engine {
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
-               const std::vector<at::Tensor>& alt);
+               const std::vector<at::Tensor>& alt, const std::optional<int64_t>& sr_seed, int64_t sr_stream);
   // Hyperparameters of parameter group `group` for the units notified from now on.
   void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int group);
   // Queues a step of `unit` whose gradients are already in place.

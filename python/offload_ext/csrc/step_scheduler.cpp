@@ -159,6 +159,7 @@ StepUnit sub_unit(const StepUnit& u, int64_t begin, int64_t end) {
   s.exp_avg_sq = static_cast<char*>(u.exp_avg_sq) + begin * state;
   if (u.param_out != nullptr) s.param_out = u.param_out + begin;
   if (u.accum != nullptr) s.accum = u.accum + begin;
+  if (u.sr) s.sr->index += begin;
   s.numel = end - begin;
   return s;
 }
@@ -185,7 +186,7 @@ void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, fl
                         static_cast<const uint16_t*>(grad), grad_add, static_cast<const uint16_t*>(m_in),
                         static_cast<uint16_t*>(m_out), static_cast<const uint16_t*>(v_in),
                         static_cast<uint16_t*>(v_out), scale},
-               u.numel, h, pool, level);
+               u.numel, h, pool, level, u.sr);
   } else {
     adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(p_out), grad,
                         u.grad_type, grad_add, static_cast<const float*>(m_in), static_cast<float*>(m_out),

@@ -13,6 +13,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -42,6 +43,10 @@ struct StepUnit {
   void* alt_exp_avg;
   void* alt_exp_avg_sq;
   int64_t numel;
+  // bf16 mode with stochastic rounding ("bf16-sr"): the unit's random stream, its index at element 0 of
+  // this span (a slice or group range of a unit starts past the unit's 0, so its bits do not depend on
+  // the slicing); speculative steps and redos draw the same bits as an in-place step.
+  std::optional<SrStream> sr;
 };
 
 // Elements [begin, end) of a unit stepped with the hyperparameters of parameter group `group`.
