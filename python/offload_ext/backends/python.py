@@ -23,7 +23,7 @@ import torch
 from ..timeline import Timeline, span
 from . import sizes as host_sizes
 from .base import Backend, Hyper, LayerBuffers
-from .sizes import HostNeed, aligned, python_arena_elements, python_host_need
+from .sizes import PYTHON_ALIGN, HostNeed, aligned, python_alternatives, python_arena_elements, python_host_need
 
 
 class _CudaCopies:
@@ -79,7 +79,7 @@ class _ThreadCopies:
 class _PinnedArena:
     """Views into one host tensor, page-locked as a whole on CUDA (plain memory on the simulated device)."""
 
-    ALIGN = 2048  # elements of 2 bytes: every view starts on a 4 KiB page
+    ALIGN = PYTHON_ALIGN
 
     def __init__(self, numel: int, dtype: torch.dtype, lock: bool) -> None:
         self.tensor = torch.empty(numel + self.ALIGN, dtype=dtype)  # slack to start on a page
@@ -138,14 +138,15 @@ class PythonBackend(Backend):
 
     def host_need(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> HostNeed:
         """The host buffers prepare() and new_layer() will take for these units."""
-        return python_host_need(self.precision, tuple(sizes), tuple(own_grads), self.accumulate, _PinnedArena.ALIGN)
+        return python_host_need(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
 
     def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
-        host_sizes.check_host_memory(self.host_need(sizes, own_grads), host_sizes.available_host_bytes())
+        alternatives = python_alternatives(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
+        host_sizes.check_host_memory(self.host_need(sizes, own_grads), host_sizes.available_host_bytes(), alternatives)
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """One pinned arena for every layer's params and grads."""
-        elements = python_arena_elements(tuple(sizes), tuple(own_grads), _PinnedArena.ALIGN)
+        elements = python_arena_elements(tuple(sizes), tuple(own_grads))
         self._arena = _PinnedArena(elements, torch.bfloat16, self._pin)
 
     def _pinned(self, numel: int) -> torch.Tensor:

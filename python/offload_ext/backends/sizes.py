@@ -42,16 +42,17 @@ def parse_size(text: str) -> int:
     return int(number * base)
 
 
-def available_host_bytes() -> int | None:
+def available_host_bytes(total: int | None = None) -> int | None:
     """What the host buffers may take: the kernel's MemAvailable less an eighth of MemTotal, None where
     unknown. The headroom is for what the check cannot see: CUDA's and torch's own host memory, and the
     estimate itself (B2 with speculative clipping, 96 GB of buffers planned against 105 GB available on
-    the GPU machine, was killed for memory while filling). OFFLOAD_EXT_HOST_MEMORY=SIZE stands in for
-    both fields (a machine of that size with all of it available): a smaller or a larger host, planned
-    for or simulated here."""
+    the GPU machine, was killed for memory while filling). `total`, or else OFFLOAD_EXT_HOST_MEMORY=SIZE,
+    stands in for both fields (a machine of that size with all of it available): a smaller or a larger
+    host, planned for or simulated here."""
     given = os.environ.get("OFFLOAD_EXT_HOST_MEMORY")
-    if given:
+    if total is None and given:
         total = parse_size(given)
+    if total is not None:
         return total - total // 8
     fields: dict[str, int] = {}
     try:
@@ -122,6 +123,8 @@ class NativeHostPlan:
     keep_grads: bool          # each unit's gradient lands in a pinned buffer of its own, kept for a redo
     grad_slots: int           # the shared staging ring (0 with kept gradients)
     speculative_units: frozenset[int]
+    asked_slots: int | None = None  # grad_slots as given (None: chosen)
+    grad_accum: int = 1             # micro-batches whose gradients reach the host per step
 
     @classmethod
     def choose(cls, precision: str, sizes: Sizes, own_grads: Sizes = (), *, grad_slots: int | None = None,
@@ -131,7 +134,14 @@ class NativeHostPlan:
         makes: speculative clipping of single micro-batches keeps each unit's gradient (no ring)."""
         keep = bool(speculative_units) and grad_accum == 1
         slots = 0 if keep else min(len(sizes), grad_slots or default_grad_slots(precision, len(sizes), accumulate))
-        return cls(precision, tuple(sizes), tuple(own_grads), accumulate, keep, slots, frozenset(speculative_units))
+        return cls(precision, tuple(sizes), tuple(own_grads), accumulate, keep, slots, frozenset(speculative_units),
+                   grad_slots, grad_accum)
+
+    def _again(self, **changes: object) -> NativeHostPlan:
+        """The plan choose() makes with these of its arguments changed."""
+        asked = dict(precision=self.precision, sizes=self.sizes, own_grads=self.own_grads, grad_slots=self.asked_slots,
+                     accumulate=self.accumulate, speculative_units=self.speculative_units, grad_accum=self.grad_accum)
+        return NativeHostPlan.choose(**(asked | changes))
 
     @property
     def state_bytes(self) -> int:
@@ -203,16 +213,15 @@ class NativeHostPlan:
     def alternatives(self) -> list[Alternative]:
         """What would need less host memory, each with the bytes it would need (by the same rules)."""
         options = []
-        if self.speculative_units:
-            plain = NativeHostPlan.choose(self.precision, self.sizes, self.own_grads, accumulate=True)
-            options.append(Alternative("speculative_clip=False", plain.need().total,
-                                       "clipping then waits for backward"))
+        if self.speculative_units:  # clipping without speculation: gradient sums, no kept gradients or second buffers
+            plain = self._again(speculative_units=frozenset(), accumulate=True).need().total
+            options.append(Alternative("speculative_clip=False", plain, "clipping then waits for backward"))
         if self.precision == "mixed":
-            bf16 = dataclasses.replace(self, precision="bf16")
-            options.append(Alternative("precision='bf16'", bf16.need().total, "bf16 moments, no fp32 master"))
-        frozen = NativeHostPlan.choose(self.precision, tuple((n, 0) for n, _ in self.sizes),
-                                       tuple((n, 0) for n, _ in self.own_grads))
-        options.append(Alternative("LoRA", frozen.need().total, "the frozen base's bf16 params, adapters not counted"))
+            options.append(Alternative("precision='bf16'", self._again(precision="bf16").need().total,
+                                       "bf16 moments, no fp32 master"))
+        frozen = self._again(sizes=tuple((n, 0) for n, _ in self.sizes),
+                             own_grads=tuple((n, 0) for n, _ in self.own_grads), speculative_units=frozenset())
+        options.append(Alternative("LoRA", frozen.need().total, "the frozen base's bf16 params; adapters not counted"))
         return options
 
 
@@ -236,16 +245,19 @@ def aligned(numel: int, align: int) -> int:
     return -(-numel // align) * align
 
 
-def python_arena_elements(sizes: Sizes, own_grads: Sizes, align: int) -> int:
+PYTHON_ALIGN = 2048  # elements of 2 bytes: every view of the python backend's arena starts on a 4 KiB page
+
+
+def python_arena_elements(sizes: Sizes, own_grads: Sizes) -> int:
     """Elements of the python backend's one pinned arena: every unit's params and grads, each view started
-    on a page (`align` elements)."""
-    return sum(aligned(n, align) + aligned(t, align) for n, t in (*sizes, *own_grads))
+    on a page."""
+    return sum(aligned(n, PYTHON_ALIGN) + aligned(t, PYTHON_ALIGN) for n, t in (*sizes, *own_grads))
 
 
-def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate: bool, align: int) -> HostNeed:
+def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate: bool) -> HostNeed:
     """The python backend's host buffers: the pinned arena (bf16, plus one page of slack), then per unit its
     moments, ("mixed") fp32 master and fp32 gradient copy, and (accumulation) its bf16 gradient sum."""
-    blocks = [HostBlock("params and gradients", 2 * (python_arena_elements(sizes, own_grads, align) + align), True)]
+    blocks = [HostBlock("params and gradients", 2 * (python_arena_elements(sizes, own_grads) + PYTHON_ALIGN), True)]
     state = 4 if precision == "mixed" else 2
     for _, t in (*sizes, *own_grads):
         blocks += [HostBlock("moments", state * t, False)] * 2
@@ -254,6 +266,18 @@ def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate:
         if accumulate:
             blocks.append(HostBlock("gradient sums", 2 * t, False))
     return HostNeed(tuple(blocks))
+
+
+def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumulate: bool) -> list[Alternative]:
+    """What would need less host memory with the python backend, by the same rules."""
+    options = []
+    if precision == "mixed":
+        options.append(Alternative("precision='bf16'", python_host_need("bf16", sizes, own_grads, accumulate).total,
+                                   "bf16 moments, no fp32 master"))
+    frozen = python_host_need(precision, tuple((n, 0) for n, _ in sizes), tuple((n, 0) for n, _ in own_grads),
+                              accumulate)
+    options.append(Alternative("LoRA", frozen.total, "the frozen base's bf16 params; adapters not counted"))
+    return options
 
 
 def check_host_memory(need: HostNeed, available: int | None, alternatives: list[Alternative] = (),
