@@ -87,8 +87,9 @@ class MemoryPlan:
     Host: `host_pinned` and `host_pageable` are the engine's buffers as it reserves them (`host_by_what`
     splits them), `host_available` what the Offloader's check allows them (MemAvailable less an eighth of
     MemTotal), `host_peak_rss` the process's expected peak (the buffers, the interpreter and libraries, the
-    CUDA runtime, a checkpoint's copy of the device parameters). GPU: `gpu_rows` and `gpu_phases` itemise
-    `gpu_peak` (what torch.cuda.max_memory_allocated would read), `gpu_needed` adds the margin, against
+    CUDA runtime, a checkpoint's copy of the device parameters). GPU: `gpu_terms` itemises `gpu_needed`:
+    `gpu_peak` (what torch.cuda.max_memory_allocated would read; `gpu_phases` has each phase of a step)
+    and the margin, against
     `gpu_available`. `largest_batch` is the largest batch at `seq_len` that fits, `largest_seq` the longest
     sequence at batch 1 (None where the device's memory is unknown). `fits` and `reasons` say whether, and
     `options` what needs less, with its figures."""
@@ -123,12 +124,21 @@ class MemoryPlan:
         return self.host_pinned + self.host_pageable
 
     @property
-    def host_peak_rss(self) -> int:
-        return self.host_total + self.host_process + self.host_checkpoint
+    def host_simulated(self) -> int:
+        """The simulated device's own peak: host memory too, on top of the engine's buffers."""
+        return self.gpu.peak if self.device == "cpu" else 0
 
     @property
-    def gpu_rows(self) -> tuple[tuple[str, int], ...]:
-        return self.gpu.static
+    def host_peak_rss(self) -> int:
+        return self.host_total + self.host_process + self.host_checkpoint + self.host_simulated
+
+    @property
+    def gpu_terms(self) -> dict[str, int]:
+        """`gpu_needed` term by term: what stays allocated, what the step's fullest phase adds (activations,
+        the loss chunk, gradients), and the margin."""
+        phase = self.gpu.peak_phase
+        rows = [*self.gpu.static, *((f"{phase}: {what}", n) for what, n in self.gpu_phases.get(phase, ()))]
+        return {**dict(rows), "margin": self.gpu.margin}
 
     @property
     def gpu_phases(self) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -144,8 +154,9 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         """The error a run of this plan stops with: the numbers, and what would need less."""
+        options = f" Options: {'; '.join(self.options)}" if self.options else ""
         return (f"offload_ext.plan: {self.model} does not fit {self.device}: {'; '.join(self.reasons)}; nothing was "
-                f"allocated. Options: {'; '.join(self.options)}")
+                f"allocated.{options}")
 
     def __str__(self) -> str:
         return "\n".join([self._title(), *self._host_lines(), *self._gpu_lines(), *self._verdict_lines()])
@@ -174,6 +185,8 @@ class MemoryPlan:
         cuda = " and the CUDA runtime" if self.device.startswith("cuda") else ""
         lines += [_row(f"  process: interpreter, libraries{cuda}", "", _gb(self.host_process)),
                   _row("  checkpoint: the device's parameters copied out", "", _gb(self.host_checkpoint)),
+                  *([_row("  the simulated device's peak (below)", "", _gb(self.host_simulated))]
+                    if self.host_simulated else []),
                   _row("  expected peak RSS", "", _gb(self.host_peak_rss)),
                   _row("  available to the engine buffers", "", _gb(self.host_available))]
         return lines
@@ -268,9 +281,10 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
 
 
 def machine(device: str | torch.device = "cuda", host_memory: int | str | None = None,
-            gpu_memory: int | str | None = None) -> Machine:
-    """The machine a plan is for: this one, or (`host_memory`, `gpu_memory`: sizes such as 125e9 or "139GiB")
-    one with that much memory, all of it available (a device planned so loses its CUDA context first)."""
+            gpu_memory: int | str | None = None, model: nn.Module | None = None) -> Machine:
+    """The machine a plan is for: this one (the GPU's free memory counting what `model`'s parameters hold
+    there already), or (`host_memory`, `gpu_memory`: sizes such as 125e9 or "139GiB") one with that much
+    memory, all of it available (a device planned so loses its CUDA context first)."""
     dev = torch.device(device)
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"plan: device must be 'cuda', 'cuda:N' or 'cpu' (simulated), got {device!r}")
@@ -283,7 +297,14 @@ def machine(device: str | torch.device = "cuda", host_memory: int | str | None =
     if not torch.cuda.is_available():
         return Machine(torch.device("cuda", dev.index or 0), host, None)
     dev = resolve_device(dev)
-    return Machine(dev, host, device_free_bytes(dev), torch.cuda.get_device_properties(dev).total_memory)
+    return Machine(dev, host, _free_for(model, dev), torch.cuda.get_device_properties(dev).total_memory)
+
+
+def _free_for(model: nn.Module | None, device: torch.device) -> int:
+    """What the Offloader may allocate on `device`: the process's free memory there, and what the model's
+    parameters already on it hold (the Offloader moves or frees them)."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device) if model else 0
+    return device_free_bytes(device) + held
 
 
 def _bytes(size: int | str | None) -> int | None:
@@ -342,7 +363,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
     settings = Settings(precision, backend, grad_slots, device_layers, offload_all, grad_accum, max_grad_norm,
                         speculative_clip, accumulate_on_device, resident_layers, batch_size, seq_len,
                         loss_chunk_tokens, loss_backend)
-    return plan_for(model, settings, machine(device, host_memory, gpu_memory), group_of)
+    return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)
 
 
 def check_device_memory(model: nn.Module, settings: Settings, choices: EngineChoices, device: torch.device,
@@ -352,7 +373,7 @@ def check_device_memory(model: nn.Module, settings: Settings, choices: EngineCho
     and depend on the batch, which offload-train checks too) must fit what the process may allocate."""
     if device.type != "cuda":
         return
-    here = Machine(device, None, device_free_bytes(device))
+    here = Machine(device, None, _free_for(model, device))
     gpu = gpu_estimate(model, choices, settings.precision, settings.device_layers, cuda=True)
     if gpu.needed <= here.gpu_available:
         return
