@@ -119,6 +119,25 @@ def test_a_gpu_too_small_is_refused_with_the_batch_that_fits() -> None:
     assert not offload_ext.plan(cfg, batch_size=batch + 1, seq_len=2048, gpu_memory="8GB", host_memory="100GB").fits
 
 
+def test_the_offloaders_device_check_refuses_what_stays_on_the_gpu(monkeypatch) -> None:
+    # The check runs on the figures alone: a CUDA device is described here by the memory it has free.
+    from offload_ext import planning
+    from offload_ext.memory_plan import Settings, choose
+
+    model = _meta_llama(layers=4, hidden=2048)  # embeddings and head of 32000 x 2048: 0.26 GB, 0.52 GB of state
+    device = torch.device("cuda", 0)
+    choices = choose(model, device, backend="native", offload_all=False, group_of=lambda p: 0, resident_layers=0,
+                     grad_accum=1, max_grad_norm=None, speculative_clip=True, accumulate_on_device=None,
+                     grad_slots=None)
+    monkeypatch.setattr(planning, "_free_for", lambda model, device: 1_600_000_000)
+    with pytest.raises(MemoryError, match=r"the device needs 2\.[0-9] GB before any activation \(params outside the "
+                                          r"stacks \(bf16\) 0\.26 GB.* 1\.6 GB is free.*nothing was allocated.*"
+                                          r"offload_all=True [^;]*fits\)"):
+        planning.check_device_memory(model, Settings(), choices, device, lambda p: 0)
+    monkeypatch.setattr(planning, "_free_for", lambda model, device: 4_000_000_000)
+    planning.check_device_memory(model, Settings(), choices, device, lambda p: 0)
+
+
 def test_plan_builds_a_config_directory_on_the_meta_device(tmp_path) -> None:
     from transformers import LlamaConfig
 

@@ -1,14 +1,13 @@
-"""Memory plan: the host RAM (pinned and pageable), the GPU memory and the largest batch x seq a model
-needs under the Offloader's settings, worked out before anything is allocated, and the refusal of a run
-that cannot fit.
+"""Memory model: the host RAM (pinned and pageable) and the GPU memory a model needs under the Offloader's
+settings, and the largest batch x seq that fits, all worked out from shapes before anything is allocated.
 
 The Offloader takes its decisions (layout, step policy, which units speculate) from `choose`, its backend
-sizes its host buffers with backends/sizes.py, and its device parts allocate what `_device_rows` counts,
-so `plan()` and a real run share one computation. The host figures are exact: the blocks the engine
-reserves. The GPU figures count each device buffer the way it is allocated, and for activations a
-Llama-style decoder layer and the chunked loss (`layer_activation_bytes`, `loss_rows`: coefficients
-read off a checkpointed layer's live tensors, see their docstrings); what torch's allocator statistics
-do not see is a stated margin.
+sizes its host buffers with backends/sizes.py, and its device parts allocate what `DeviceFacts` counts, so
+a plan and a real run share one computation. The host figures are exact: the blocks the engine reserves.
+The GPU figures count each device buffer the way it is allocated, and for activations a Llama-style
+decoder layer and the chunked loss (`layer_activation_bytes`, `loss_rows`: what a checkpointed layer's
+and the loss's live tensors add up to, see their docstrings); what torch's allocator statistics do not
+see is a stated margin. planning.py turns these into offload_ext.plan and the refusals.
 """
 from __future__ import annotations
 
