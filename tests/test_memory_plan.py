@@ -80,7 +80,7 @@ def test_a_model_the_host_cannot_hold_is_refused_before_any_buffer(backend, monk
     memory = offload_ext.plan(model, device="cpu", backend=backend, precision="mixed", host_memory="1.5GB")
     assert not memory.fits and memory.host_available == 1.5e9 - 1.5e9 // 8  # an eighth kept as headroom
     bf16 = "precision='bf16' (saves"
-    assert any(o.startswith(bf16) and "which fits" in o for o in memory.options), memory.options
+    assert any(o.startswith("host: " + bf16) and "which fits" in o for o in memory.options), memory.options
     prepared = []
     for cls in (NativeBackend, PythonBackend):
         monkeypatch.setattr(cls, "prepare", lambda self, *a, **k: prepared.append(a))
@@ -114,7 +114,8 @@ def test_a_gpu_too_small_is_refused_with_the_batch_that_fits() -> None:
     small = offload_ext.plan(cfg, batch_size=64, seq_len=2048, gpu_memory="8GB", host_memory="100GB")
     assert not small.fits and "the GPU needs" in small.refusal()
     batch = small.largest_batch
-    assert 0 < batch < 64 and any(o.startswith(f"batch_size={batch} ") and o.endswith(", fits)") for o in small.options)
+    assert 0 < batch < 64 and any(o.startswith(f"GPU: batch_size={batch} ") and o.endswith(", both fit)")
+                                  for o in small.options)
     assert offload_ext.plan(cfg, batch_size=batch, seq_len=2048, gpu_memory="8GB", host_memory="100GB").fits
     assert not offload_ext.plan(cfg, batch_size=batch + 1, seq_len=2048, gpu_memory="8GB", host_memory="100GB").fits
 
@@ -132,7 +133,7 @@ def test_the_offloaders_device_check_refuses_what_stays_on_the_gpu(monkeypatch) 
     monkeypatch.setattr(planning, "_free_for", lambda model, device: 1_600_000_000)
     with pytest.raises(MemoryError, match=r"the device needs 2\.[0-9] GB before any activation \(params outside the "
                                           r"stacks \(bf16\) 0\.26 GB.* 1\.6 GB is free.*nothing was allocated.*"
-                                          r"offload_all=True [^;]*fits\)"):
+                                          r"offload_all=True [^;]*both fit\)"):
         planning.check_device_memory(model, Settings(), choices, device, lambda p: 0)
     monkeypatch.setattr(planning, "_free_for", lambda model, device: 4_000_000_000)
     planning.check_device_memory(model, Settings(), choices, device, lambda p: 0)

@@ -46,14 +46,15 @@ def _options(model: nn.Module, ev: Evaluation, machine: Machine, group_of: Group
     for the host the backend's own alternatives, for the GPU the settings below evaluated again."""
     options = []
     if not ev.host_fits(machine):
-        options += [a.describe(ev.host.need.total, machine.host_available) for a in ev.host.alternatives]
+        options += ["host: " + a.describe(ev.host.need.total, machine.host_available) for a in ev.host.alternatives]
     if not ev.gpu_fits(machine):
         rows = [(text, evaluate(model, dataclasses.replace(ev.settings, **change), machine, group_of))
                 for text, change in _gpu_changes(model, ev, machine)]
         rows.append(("LoRA (the base frozen; adapters not counted)", evaluate(model, ev.settings, machine, group_of,
                                                                               frozen=True)))
-        options += [f"{text} (GPU {alt.gpu.needed / _GB:.1f} GB, host {alt.host.need.total / _GB:.1f} GB"
-                    f"{', fits' if alt.fits(machine) else ''})" for text, alt in rows]
+        options += [f"GPU: {text} (GPU {alt.gpu.needed / _GB:.1f} GB, host {alt.host.need.total / _GB:.1f} GB"
+                    f"{', both fit' if alt.fits(machine) else ''})"
+                    for text, alt in rows if alt.gpu.needed < ev.gpu.needed]
     return options
 
 
