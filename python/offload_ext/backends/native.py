@@ -107,11 +107,6 @@ class NativeBackend(Backend):
         self._hedged_units &= self._speculative_units
         self._speculating = self._speculative_units
 
-    @property
-    def host_plan(self) -> NativeHostPlan:
-        """The host buffers as planned (after plan())."""
-        return self._host_plan
-
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
         if self._host_plan is None:
@@ -133,8 +128,9 @@ class NativeBackend(Backend):
             cost = f"page-locking {locked / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
             self._adopt(self._host_plan.fitted(after, pinned=False), self._host_plan)
             try:
-                host_sizes.check_host_memory(HostNeed(tuple(self._host_plan.pageable_blocks())), after,
-                                        pinning=f"{cost}, and the pinned memory is released again")
+                pageable = HostNeed(tuple(self._host_plan.pageable_blocks()))
+                released = f"{cost}, and the pinned memory is released again"
+                host_sizes.check_host_memory(pageable, after, pinning=released)
             except MemoryError:
                 self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
                 raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PAGE = 4096
@@ -35,10 +36,7 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"expected a size such as 125GB, 139GiB or 80 (GB), got {text!r}")
     number, unit = float(match[1]), (match[2] or "").lower()
-    binary = "i" in unit
-    base = _UNITS[unit[:1]] if unit != "b" else 1
-    if binary:
-        base = 1 << {"k": 10, "m": 20, "g": 30, "t": 40}[unit[0]]
+    base = 1 << 10 * " kmgt".index(unit[0]) if "i" in unit else _UNITS[unit[:1]]
     return int(number * base)
 
 
@@ -80,7 +78,6 @@ class HostNeed:
     """A backend's host buffers, block by block."""
 
     blocks: tuple[HostBlock, ...]
-    second: int = 0  # bytes of speculative clipping's second buffers among them
 
     @property
     def pinned(self) -> int:
@@ -188,8 +185,7 @@ class NativeHostPlan:
         return blocks
 
     def need(self) -> HostNeed:
-        blocks = (*self.pinned_blocks(), *self.pageable_blocks())
-        return HostNeed(blocks, sum(b.nbytes for b in blocks if b.what == "second buffers"))
+        return HostNeed((*self.pinned_blocks(), *self.pageable_blocks()))
 
     def fitted(self, available: int | None, pinned: bool = True) -> NativeHostPlan:
         """Speculation only as high up the stacks as `available` host memory holds second buffers for
@@ -280,7 +276,7 @@ def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumula
     return options
 
 
-def check_host_memory(need: HostNeed, available: int | None, alternatives: list[Alternative] = (),
+def check_host_memory(need: HostNeed, available: int | None, alternatives: Sequence[Alternative] = (),
                       pinning: str = "") -> None:
     """Refuse, before anything is allocated (or, `pinning` saying so, before the pageable part is), host
     buffers this machine cannot hold (the alternative is the kernel killing the process halfway through),
