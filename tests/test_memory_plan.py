@@ -224,6 +224,9 @@ def test_the_loss_term_is_the_chunked_losss_live_tensors_at_the_peak(backend, ch
 def _shape_config(name: str):
     from transformers import LlamaConfig, Qwen2Config
 
+    if name == "b1":  # bench_train's B1: the Llama-3.2-1B shape, tied
+        return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                           num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, use_cache=False)
     if name == "qwen-14b":
         return Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                            num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False)
@@ -248,6 +251,17 @@ def test_the_gpu_figures_are_within_a_tenth_of_the_gpu_machines(name, batch, lor
     phases = [p for p in memory.gpu_phases if (p == "state_dict") == (phase == "state_dict")]
     peak = memory.gpu.static_bytes + max(memory.gpu.phase_bytes(p) for p in phases)
     assert peak == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("knobs,micro,measured", [
+    # train_b1_recipes.log of the same call (batch 4 x 2048; with accumN, N micro-batches of 4 / N)
+    (dict(), 4, 5.0e9), (dict(max_grad_norm=1e6), 4, 5.0e9), (dict(precision="mixed"), 4, 7.1e9),
+    (dict(precision="mixed", max_grad_norm=1e-3), 4, 7.1e9), (dict(grad_accum=2), 2, 6.3e9),
+    (dict(grad_accum=4), 1, 5.9e9), (dict(resident_layers=4), 4, 6.4e9)])
+def test_the_b1_recipes_gpu_figures_are_within_a_tenth_of_the_gpu_machines(knobs, micro, measured) -> None:
+    memory = offload_ext.plan(_shape_config("b1"), batch_size=micro, seq_len=2048, gpu_memory="24GB", **knobs)
+    training = max((p for p in memory.gpu_phases if p != "state_dict"), key=memory.gpu.phase_bytes)
+    assert memory.gpu.static_bytes + memory.gpu.phase_bytes(training) == pytest.approx(measured, rel=0.10)
 
 
 @pytest.mark.parametrize("name,engine", [("llama-8b", 44.5e9), ("qwen-14b", 84.2e9 - 1.6e9)])

@@ -209,6 +209,8 @@ class DeviceFacts:
     resident_trainable: int
     head_side: int           # trainable device numel whose gradients exist from the loss on (not the embedding's)
     head_grad: int           # bytes of the head's weight gradient (0: frozen)
+    embedding_grad: int      # bytes of the input embedding's weight gradient (0: frozen)
+    tied: bool               # the head's weight is the input embedding's (and trained)
     ring: int                # bytes of the layer buffers
     grad_buffers: int        # bytes of the gradient buffers (staging, or one sum per unit on the device)
     ring_layers: int         # layer buffers per stack
@@ -227,6 +229,7 @@ class DeviceFacts:
         side = [p for p in outer if trains(p) and (p is not embedding or p is head)]
         # Kept on the device or (offload_all) hosted, the head's .grad is made whole in the loss's backward.
         head_grad = 2 * head.numel() if head is not None and trains(head) else 0
+        embedding_grad = 2 * embedding.numel() if embedding is not None and trains(embedding) else 0
         ring = grad = 0
         for part in layout.parts:
             largest = max(u.numel for u in part.units)
@@ -239,7 +242,8 @@ class DeviceFacts:
         largest_param = max((p.numel() for p in (*streamed, *kept) if trains(p)), default=0)
         return cls(sum(p.numel() for p in outer), sum(p.numel() for p in outer if trains(p)),
                    sum(p.numel() for p in kept), sum(p.numel() for p in kept if trains(p)),
-                   sum(p.numel() for p in side), head_grad, ring, grad,
+                   sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
+                   ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
                    sum(len(p.layers) for p in layout.stacks) + len(layout.resident), largest_param)
 
@@ -301,11 +305,33 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers)]
     if cuda:
         static.append(("cuBLAS workspace", CUBLAS_WORKSPACE))
-    phases = list(_step_phases(f, precision))
+    accumulating = choices.policy.grad_accum > 1
     shape = Shape.of(model)
-    if batch and seq and shape is not None:
-        phases += _backward_phases(f, shape, batch, seq, chunk_tokens, native_loss, choices.policy.grad_accum > 1)
+    tokens = batch * seq if batch and seq and shape is not None else 0
+    phases = [_embedding_phase(f, tokens * shape.hidden if tokens else 0, accumulating), *_step_phases(f, precision)]
+    if tokens:
+        phases += _backward_phases(f, shape, batch, seq, chunk_tokens, native_loss, accumulating)
     return GpuEstimate(tuple(static), tuple(phases), cuda)
+
+
+def _held_grads(f: DeviceFacts, accumulating: bool) -> int:
+    """Gradients of device parameters held through a backward after the loss's: the head's side (in a later
+    micro-batch of an accumulation every device parameter's .grad). A tied head's gradient waits in
+    autograd's input buffer for the embedding's, beside the .grad an accumulation already holds."""
+    if not accumulating:
+        return 2 * f.head_side
+    return 2 * (f.outer_trainable + f.resident_trainable) + (f.head_grad if f.tied else 0)
+
+
+def _embedding_phase(f: DeviceFacts, token_units: int, accumulating: bool) -> tuple[str, Rows]:
+    """The end of backward: the input embedding's dense weight gradient, new, beside the gradients already
+    held (and the resident layers', just made). Tied to the head, or accumulating, it is summed into an
+    existing gradient and so comes on top of it; `token_units` (tokens x hidden) sizes the backward's fp32
+    partial sums."""
+    held = _held_grads(f, accumulating) + (0 if accumulating else 2 * f.resident_trainable)
+    return ("embedding backward", (("gradients held by then", held), ("the embedding's new weight gradient",
+                                                                       f.embedding_grad),
+                                   ("its fp32 partial sums", 4 * token_units if f.embedding_grad else 0)))
 
 
 def _step_phases(f: DeviceFacts, precision: str) -> list[tuple[str, Rows]]:
@@ -329,7 +355,7 @@ def _backward_phases(f: DeviceFacts, shape: Shape, batch: int, seq: int, chunk_t
     all_grads = 2 * (f.outer_trainable + f.resident_trainable)
     layer = (ckpt, ("one layer's recompute and backward", layer_activation_bytes(shape, tokens, f.largest_param)),
              ("the gradient of its output", 2 * tokens * shape.hidden),
-             ("gradients of the head's side", all_grads if accumulating else 2 * f.head_side))
+             ("gradients of the head's side", _held_grads(f, accumulating)))
     loss = (ckpt, *loss_rows(shape, batch, seq, chunk_tokens, native_loss, f.head_grad),
             ("gradients held from earlier micro-batches", all_grads if accumulating else 0))
     return [("layer backward", layer), ("loss", loss)]
