@@ -160,7 +160,8 @@ class MemoryPlan:
                 f"allocated.{options}")
 
     def __str__(self) -> str:
-        return "\n".join([self._title(), *self._host_lines(), *self._gpu_lines(), *self._verdict_lines()])
+        lines = [self._title(), *self._host_lines(), *self._gpu_lines(), *self._verdict_lines()]
+        return "\n".join(line.rstrip() for line in lines)
 
     def _title(self) -> str:
         s = self.settings
@@ -201,13 +202,14 @@ class MemoryPlan:
         for what, n in self.gpu_phases.get(shown, ()):
             if n:
                 lines.append(_row(f"  + {shown}: {what}", "", _gb(n)))
-        phases = ", ".join(f"{name} {_gb(gpu.static_bytes + gpu.phase_bytes(name))}" for name in self.gpu_phases)
-        lines += [f"  allocated at each phase's peak: {phases}",
-                  _row(f"  peak allocated ({gpu.peak_phase})", "", _gb(gpu.peak))]
+        lines += [_row(f"  allocated at the peak of: {name}", "", _gb(gpu.static_bytes + gpu.phase_bytes(name)))
+                  for name in self.gpu_phases]
+        lines.append(_row(f"  peak allocated ({gpu.peak_phase})", "", _gb(gpu.peak)))
         if gpu.cuda:
             lines += [_row("  margin (allocator, kernels outside it)", "", _gb(gpu.margin)),
                       _row("  needed", "", _gb(gpu.needed)),
-                      _row("  available", "", _gb(self.gpu_available))]
+                      _row("  available" + (f" (of {_gb(self.gpu_total)})" if self.gpu_total else ""), "",
+                           _gb(self.gpu_available))]
         return lines
 
     def _verdict_lines(self) -> list[str]:
