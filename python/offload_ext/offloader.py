@@ -118,8 +118,10 @@ class Offloader(torch.optim.Optimizer):
             slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options())
         # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.
         self._backend.plan(choices.sizes, choices.own_grads)
-        settings = Settings(precision, backend, grad_slots, device_layers, offload_all, grad_accum, max_grad_norm,
-                            speculative_clip, accumulate_on_device, resident_layers)
+        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                            resident_layers=resident_layers)
         check_device_memory(model, settings, choices, self.device, group_of)
         check_materialized(model, weights)
         t0 = time.perf_counter()

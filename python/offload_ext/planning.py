@@ -363,9 +363,11 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
         raise ValueError(f"plan: give batch_size and seq_len together, each at least 1 (got {batch_size}, {seq_len})")
     model = _model_of(model_or_config, lora_r, lora_alpha, lora_targets)
     _, group_of = build_groups(model, groups, no_decay)
-    settings = Settings(precision, backend, grad_slots, device_layers, offload_all, grad_accum, max_grad_norm,
-                        speculative_clip, accumulate_on_device, resident_layers, batch_size, seq_len,
-                        loss_chunk_tokens, loss_backend)
+    settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                        offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                        speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                        resident_layers=resident_layers, batch_size=batch_size, seq_len=seq_len,
+                        loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend)
     return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)
 
 

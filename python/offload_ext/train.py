@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, weights = build_model(args, vocab, device)
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
-    if args.backend != "none":  # the whole memory check, the batch's activations included, before the engine
+    if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
         memory = _plan(args, model, device)
         if not memory.fits:
             raise UsageError(memory.refusal())
