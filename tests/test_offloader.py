@@ -255,7 +255,7 @@ def test_every_simd_level_trains_accumulation_and_speculative_clipping_exactly(l
 def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from offload_ext.backends.native import available_host_bytes
+    from offload_ext.backends.sizes import available_host_bytes
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=48,
                       num_attention_heads=64, num_key_value_heads=8)  # 41 B params: over 400 GB of host buffers
@@ -272,10 +272,10 @@ def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -
 def test_pageable_buffers_are_checked_again_after_page_locking(monkeypatch) -> None:
     # A machine whose available memory drops by more than what was page-locked (a sandbox counting it
     # twice, say): the pageable part is refused before any of it is allocated, naming the cost.
-    from offload_ext.backends import native
+    from offload_ext.backends import sizes
 
     readings = iter([1 << 50, 1 << 10])  # before page-locking: plenty; after: 1 kB
-    monkeypatch.setattr(native, "available_host_bytes", lambda: next(readings))
+    monkeypatch.setattr(sizes, "available_host_bytes", lambda: next(readings))
     with pytest.raises(MemoryError, match=r"page-locking 0\.\d GB took .* GB of available memory, and the "
                                           r"pinned memory is released again"):
         offload_ext.Offloader(tiny_llama(layers=2), backend="native", device="cpu")
@@ -826,7 +826,7 @@ def test_once_the_norm_is_known_no_speculative_step_starts_and_the_held_ones_ste
 
 
 def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_holds(monkeypatch) -> None:
-    from offload_ext.backends import native
+    from offload_ext.backends import sizes
 
     base, data = tiny_llama(layers=8), batches(3)
     ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, max_grad_norm=1e-3, exact_clip=True)
@@ -837,7 +837,7 @@ def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_ho
     stats = plan.stats()
     plan.close()
     pinned = 8 * 2 * (2 * per_layer + (8 << 10))  # each layer's params and its kept gradient
-    monkeypatch.setattr(native, "available_host_bytes", lambda: pinned + stats["host_in_use"] - 21 * per_layer)
+    monkeypatch.setattr(sizes, "available_host_bytes", lambda: pinned + stats["host_in_use"] - 21 * per_layer)
     model = copy.deepcopy(base)
     with pytest.warns(UserWarning, match=r"second buffers for \d of 8 speculative units"):
         off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=1e-3)

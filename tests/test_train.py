@@ -208,7 +208,7 @@ def test_trace_writes_the_engine_timeline_of_the_profiled_steps(tmp_path) -> Non
 def test_a_model_this_host_cannot_hold_is_refused_before_allocation(tmp_path, capsys) -> None:
     # qwen-14b's host buffers (~83 GB) are over what a CI machine has; built on the meta device, the run
     # stops at the memory check with the numbers and the options, not a kill halfway through a fill.
-    from offload_ext.backends.native import available_host_bytes
+    from offload_ext.backends.sizes import available_host_bytes
 
     available = available_host_bytes()
     if available is None or available > 80e9:

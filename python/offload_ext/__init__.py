@@ -9,6 +9,7 @@ from .losses import causal_lm_loss, lm_head_loss
 from .offloader import Offloader
 from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
 from .optim import CPUAdamW, StochasticAdamW
+from .planning import MemoryPlan, plan
 
 __all__ = [
     "__version__",
@@ -23,6 +24,8 @@ __all__ = [
     "causal_lm_loss",
     "enable_activation_checkpointing",
     "lm_head_loss",
+    "MemoryPlan",
     "Offloader",
+    "plan",
     "stacks",
 ]

@@ -23,7 +23,7 @@ from .backends import Backend, Hyper, LayerBuffers, make_backend
 from .checkpoint import SafetensorsCheckpoint, write_safetensors
 from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
-from .grad_path import GradPath, sums_on_device
+from .grad_path import GradPath
 from .host_fill import fill_unit
 from .layers import (
     disable_activation_checkpointing,
@@ -32,9 +32,11 @@ from .layers import (
     unwrap_layer,
     wrap_layer,
 )
-from .layout import Layout, Part, hedged_units, plan_layout, speculative_units
+from .layout import Layout
+from .memory_plan import Settings, choose
 from .options import Options, check_hyper, resolve_device
 from .param_groups import HYPER_KEYS, build_groups
+from .planning import check_device_memory
 from .state import (
     check_state,
     host_sources,
@@ -45,16 +47,10 @@ from .state import (
     span_names,
     weight_sources,
 )
-from .step_policy import StepPolicy
 from .timeline import Timeline, span
 from .weights import WeightSource, check_materialized, from_config_empty, from_pretrained_empty, materialize
 
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
-
-
-def _sizes(parts: tuple[Part, ...]) -> list[tuple[int, int]]:
-    """(numel, trainable numel) per unit, what a backend's prepare() is told."""
-    return [(u.numel, u.trainable_numel) for part in parts for u in part.units]
 
 
 class Offloader(torch.optim.Optimizer):
@@ -106,7 +102,11 @@ class Offloader(torch.optim.Optimizer):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
         self.device = resolve_device(device)
-        self.layout: Layout = plan_layout(model, offload_all, group_of, resident_layers)
+        choices = choose(model, self.device, backend=backend, offload_all=offload_all, group_of=group_of,
+                         resident_layers=resident_layers, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                         speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                         grad_slots=grad_slots)
+        self.layout: Layout = choices.layout
         super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
@@ -114,26 +114,27 @@ class Offloader(torch.optim.Optimizer):
         self._step = 0
         self._closed = False
         self._timeline: Timeline | None = None
-        # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
-        self._policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native",
-                                  sums_on_device(accumulate_on_device, grad_accum, self.layout.parts, self.device))
+        self._policy = choices.policy
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
-            grad_slots=grad_slots, slice_elements=slice_elements, accumulate=self._policy.accumulates,
-            async_step=async_step is not False, grad_accum=self._policy.host_grad_accum,
-            speculative_units=speculative_units(self.layout) if self._policy.speculative else frozenset(),
-            hedged_units=hedged_units(self.layout) if self._policy.speculative else frozenset(), sr_seed=sr_seed)
-        outside = (self.layout.outside,) if self.layout.outside is not None else ()
-        self._backend.plan(_sizes(self.layout.stacks), _sizes(outside))  # the memory check: nothing allocated yet
+            slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options(),
+            sr_seed=sr_seed)
+        # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.
+        self._backend.plan(choices.sizes, choices.own_grads)
+        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                            resident_layers=resident_layers)
+        check_device_memory(model, settings, choices, self.device, group_of)
         check_materialized(model, weights)
         t0 = time.perf_counter()
         for p in self.layout.device_params:  # before the host buffers: what it reads on the way is freed first
             if p.is_meta:
                 materialize(weights, p, self.device)
-        self._backend.prepare(_sizes(self.layout.stacks), _sizes(outside))
+        self._backend.prepare(choices.sizes, choices.own_grads)
         t1 = time.perf_counter()
         # The part outside the stacks has its own gradient buffer; layers may share a staging ring.
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as readers:

@@ -20,9 +20,21 @@ import torch
 from . import data as data_mod
 from .lora import add_lora
 from .losses import BACKENDS
+from .planning import MemoryPlan, plan
 from .timeline import Timeline
-from .train_setup import BUILTIN, UsageError, apply_defaults, build_model, build_stream, check_loss_args, resolve_device
-from .trainer import Trainer
+from .train_setup import (
+    BUILTIN,
+    UsageError,
+    apply_defaults,
+    build_model,
+    build_stream,
+    check_loss_args,
+    model_config,
+    planned_vocab,
+    resolve_device,
+)
+from .trainer import Trainer, offloader_kwargs
+from .weights import from_config_empty
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(native on CUDA)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=4096,
                     help="tokens per chunk of the vocabulary projection (GPU memory for logits vs speed)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print this run's memory plan (host RAM pinned and pageable, GPU memory, the largest batch x "
+                         "seq that fits) from the model built on the meta device, and exit: 0 if it fits, 2 if not")
+    ap.add_argument("--gpu-memory", default=None,
+                    help="with --dry-run: plan for a GPU of this size (e.g. 80GB, 139GiB), all of it free; needed for "
+                         "--device cuda where there is no GPU")
+    ap.add_argument("--host-memory", default=None,
+                    help="with --dry-run: plan for a host of this size (e.g. 125GB), all of it available")
     ap.add_argument("--out", default="runs/offload-train")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
@@ -99,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.dry_run:
+        return {"plan": dry_run(args)}
+    if args.gpu_memory is not None or args.host_memory is not None:
+        raise UsageError("--gpu-memory and --host-memory describe the machine a plan is for: use them with --dry-run")
     began = time.perf_counter()  # metrics' elapsed_s: set-up (model, data, engine) counts
     device, simulated = resolve_device(args)
     on_gpu = device.type == "cuda"
@@ -124,16 +148,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("data", time.perf_counter()))
     model, weights = build_model(args, vocab, device)
     marks.append(("model", time.perf_counter()))
-    if args.lora_r is not None:
-        if args.lora_r < 1:
-            raise UsageError(f"--lora-r must be at least 1, got {args.lora_r}")
-        try:
-            model = add_lora(model, args.lora_r, args.lora_alpha or 2 * args.lora_r, args.lora_targets.split(","))
-        except (ImportError, ValueError) as exc:
-            raise UsageError(f"--lora-r: {exc}") from exc
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos is not None and args.seq_len > max_pos:
-        raise UsageError(f"--seq-len {args.seq_len} is above the model's maximum of {max_pos} positions")
+    model = _with_lora(args, model)
+    if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
+        memory = _plan(args, model, device)
+        if not memory.fits:
+            raise UsageError(memory.refusal())
     try:
         trainer = Trainer(args, model, device, simulated, weights)
     except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
@@ -146,6 +165,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.remove(metrics_path)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
+
+
+def _with_lora(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
+    """The model with --lora-r adapters (and --seq-len checked against its positions)."""
+    if args.lora_r is not None:
+        if args.lora_r < 1:
+            raise UsageError(f"--lora-r must be at least 1, got {args.lora_r}")
+        try:
+            model = add_lora(model, args.lora_r, args.lora_alpha or 2 * args.lora_r, args.lora_targets.split(","))
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--lora-r: {exc}") from exc
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and args.seq_len > max_pos:
+        raise UsageError(f"--seq-len {args.seq_len} is above the model's maximum of {max_pos} positions")
+    return model
+
+
+def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> MemoryPlan:
+    try:
+        return plan(model, **offloader_kwargs(args, device), batch_size=args.batch_size, seq_len=args.seq_len,
+                    loss_chunk_tokens=args.loss_chunk_tokens, loss_backend=args.loss_backend,
+                    gpu_memory=args.gpu_memory, host_memory=args.host_memory)
+    except ValueError as exc:  # a bad size or setting: the message names it
+        raise UsageError(str(exc)) from exc
+
+
+def _planned_device(args: argparse.Namespace) -> torch.device:
+    """The device a dry run plans for: a CUDA one even where there is none (its size from --gpu-memory)."""
+    if args.device == "cpu-sim":
+        return torch.device("cpu")
+    if args.device == "cpu":
+        raise UsageError("--dry-run plans the offload engine: --device cpu trains without it; use cpu-sim or cuda")
+    if args.device == "auto" and not torch.cuda.is_available() and args.gpu_memory is None:
+        raise UsageError("--dry-run: no CUDA device here; pass --device cuda --gpu-memory SIZE to plan for one, "
+                         "or --device cpu-sim")
+    dev = torch.device("cuda" if args.device == "auto" else args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available() and args.gpu_memory is None:
+        raise UsageError(f"--dry-run --device {args.device}: there is no CUDA device here to measure; pass "
+                         "--gpu-memory SIZE (e.g. 80GB, 139GiB) for the GPU to plan for")
+    return dev
+
+
+def dry_run(args: argparse.Namespace) -> MemoryPlan:
+    """Print the run's memory plan, the model built on the meta device (no weights drawn or read, no data, no
+    engine); a plan that does not fit raises UsageError with its refusal."""
+    if args.backend == "none":
+        raise UsageError("--dry-run plans the offload engine's memory: use --backend native or python")
+    device = _planned_device(args)
+    apply_defaults(args, device.type == "cuda")
+    if args.loss_chunk_tokens < 1:
+        raise UsageError(f"--loss-chunk-tokens must be at least 1, got {args.loss_chunk_tokens}")
+    model, _ = from_config_empty(model_config(args, planned_vocab(args)), seed=args.seed)
+    memory = _plan(args, _with_lora(args, model), device)
+    print(memory, flush=True)
+    if not memory.fits:
+        raise UsageError(memory.refusal())
+    return memory
 
 
 def _print_setup(marks: list[tuple[str, float]], trainer: Trainer) -> None:

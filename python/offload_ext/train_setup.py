@@ -73,18 +73,27 @@ def _load_tokenizer(name: str, from_flag: str) -> Any:
                          "--tokenizer NAME_OR_DIR") from exc
 
 
+def _tokenizer_name(args: argparse.Namespace) -> str | None:
+    """The HF tokenizer the run uses (None: one trained on the embedded corpus)."""
+    return args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+
+
+def _embedded_vocab(args: argparse.Namespace) -> int:
+    return BUILTIN.get(args.model, BUILTIN["small"])[6]
+
+
 def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
     """(encode_batch: texts -> their ids, eos_id, vocab_size, tokenizer to save with checkpoints). Batches
     encode on the tokenizer's own threads: the embedded corpus one file at a time took 3.6 s of the 8 B
     run's set-up on the GPU machine."""
-    name = args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+    name = _tokenizer_name(args)
     if name:
         tok = _load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model")
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         return (lambda ts: tok(ts, add_special_tokens=False)["input_ids"]), eos, len(tok), tok
     if texts is None:
         raise UsageError("--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)")
-    vocab = BUILTIN.get(args.model, BUILTIN["small"])[6]
+    vocab = _embedded_vocab(args)
     tok = data_mod.train_tokenizer(texts, vocab, os.path.join(args.out, "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
     return (lambda ts: [e.ids for e in tok.encode_batch(ts)]), eos, tok.get_vocab_size(), tok
@@ -103,43 +112,65 @@ def bf16_llama(cfg: Any) -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
-def build_model(args: argparse.Namespace, vocab_size: int,
-                device: torch.device) -> tuple[torch.nn.Module, WeightSource | None]:
-    """The model, and with an offload backend the weights its meta parameters are filled from: the
-    checkpoint's (--pretrained), or drawn by the model's init rule on the training `device`
-    (--from-scratch), straight into the engine; without one, transformers builds or loads the whole model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+def planned_vocab(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary size the run will have, without training one (what --dry-run builds the
+    model with): the named tokenizer's, or the size the embedded one is trained to."""
+    name = _tokenizer_name(args)
+    if name:
+        return len(_load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model"))
+    if args.dataset != data_mod.EMBEDDED:
+        raise UsageError("--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)")
+    return _embedded_vocab(args)
 
-    torch.manual_seed(args.seed)
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
+    """The transformers config of --model: a built-in's, or the directory's or hub id's (with room for the
+    tokenizer's ids when training from scratch)."""
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config
+
     if args.model in BUILTIN:
         if args.pretrained:
             raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch")
         hidden, layers, heads, kv, inter, tied, _, model_vocab = BUILTIN[args.model]
         qwen = args.model in _QWEN2
-        cfg = (Qwen2Config if qwen else LlamaConfig)(
+        return (Qwen2Config if qwen else LlamaConfig)(
             vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
             max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False)
-        if args.backend != "none":  # built on the meta device, drawn layer by layer into the engine
-            return from_config_empty(cfg, seed=args.seed, device=device)
-        return bf16_llama(cfg), None
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {args.model!r} is not a built-in config ({', '.join(BUILTIN)}), a local model "
                          f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
                          ) from exc
+    if args.pretrained and cfg.vocab_size < vocab_size:
+        raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {cfg.vocab_size}; "
+                         "use the model's own tokenizer (--tokenizer)")
+    if not args.pretrained:
+        cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
+    return cfg
+
+
+def build_model(args: argparse.Namespace, vocab_size: int,
+                device: torch.device) -> tuple[torch.nn.Module, WeightSource | None]:
+    """The model, and with an offload backend the weights its meta parameters are filled from: the
+    checkpoint's (--pretrained), or drawn by the model's init rule on the training `device`
+    (--from-scratch), straight into the engine; without one, transformers builds or loads the whole model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    cfg = model_config(args, vocab_size)
+    if args.model in BUILTIN:
+        if args.backend != "none":  # built on the meta device, drawn layer by layer into the engine
+            return from_config_empty(cfg, seed=args.seed, device=device)
+        return bf16_llama(cfg), None
     if args.pretrained:
-        if cfg.vocab_size < vocab_size:
-            raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {cfg.vocab_size}; "
-                             "use the model's own tokenizer (--tokenizer)")
         if args.backend != "none":
             try:
                 return from_pretrained_empty(args.model)
             except (FileNotFoundError, KeyError, ValueError) as exc:
                 raise UsageError(f"--pretrained {args.model}: {exc}") from exc
         return AutoModelForCausalLM.from_pretrained(args.model, **{dtype_keyword(): torch.bfloat16}), None
-    cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
     if args.backend != "none":
         return from_config_empty(cfg, seed=args.seed, device=device)
     return AutoModelForCausalLM.from_config(cfg), None

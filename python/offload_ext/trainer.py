@@ -25,6 +25,16 @@ def no_decay_patterns(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(p.strip() for p in args.no_decay.split(",") if p.strip())
 
 
+def offloader_kwargs(args: argparse.Namespace, device: torch.device,
+                     weights: WeightSource | None = None) -> dict[str, Any]:
+    """The Offloader's keyword arguments for these flags (offload_ext.plan takes the same)."""
+    return dict(lr=args.lr, weight_decay=args.weight_decay, precision=args.precision, backend=args.backend,
+                device=device, compile_layers=args.compile, offload_all=args.offload_all, grad_accum=args.grad_accum,
+                max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
+                accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
+                resident_layers=args.resident_layers, weights=weights, sr_seed=args.seed)
+
+
 def lr_factor(args: argparse.Namespace, step: int) -> float:
     """Linear warm-up to --lr, then cosine decay to 10 % of it at --steps (a multiple of --lr)."""
     if step < args.warmup_steps:
@@ -47,12 +57,7 @@ class Trainer:
             self._check_offload_supported()
             from .offloader import Offloader
 
-            self.off = Offloader(model, lr=args.lr, weight_decay=args.weight_decay, precision=args.precision,
-                                 backend=args.backend, device=device, compile_layers=args.compile,
-                                 offload_all=args.offload_all, grad_accum=args.grad_accum,
-                                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
-                                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
-                                 resident_layers=args.resident_layers, weights=weights, sr_seed=args.seed)
+            self.off = Offloader(model, **offloader_kwargs(args, device, weights))
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt

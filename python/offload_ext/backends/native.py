@@ -15,72 +15,21 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import ops
 from .._ext import native
+from . import sizes as host_sizes
 from .base import Backend, Hyper, LayerBuffers
-
-# Room each planned block leaves for its start past a page boundary (Engine.next_offset) and the rounding
-# of its end to a page.
-_ALIGN = 2 << 12
+from .sizes import HostNeed, NativeHostPlan
 
 
 def default_engine_threads() -> int:
     # All usable CPUs but one for the Python thread that launches GPU work, and one for the
     # CUDA driver's callback/copy threads.
     return max(1, len(os.sched_getaffinity(0)) - 2)
-
-
-def default_grad_slots(precision: str, layers: int, accumulate: bool = False) -> int:
-    # bf16: the host step of a layer is quicker than the GPU's backward of one, so a few slots never
-    # fill up. mixed, and the last micro-batch of an accumulation (its backward on a smaller batch is
-    # quicker): the step is slower than the backward, a backlog builds up, and a full ring would stall
-    # backward: one slot per layer (2 more bytes per parameter of pinned memory; pass grad_slots to
-    # trade it back when host memory is tight).
-    return 6 if precision != "mixed" and not accumulate else layers
-
-
-def available_host_bytes() -> int | None:
-    """What the host buffers may take: the kernel's MemAvailable less an eighth of MemTotal, None where
-    unknown. The headroom is for what the check cannot see: CUDA's and torch's own host memory, and the
-    estimate itself (B2 with speculative clipping, 96 GB of buffers planned against 105 GB available on
-    the GPU machine, was killed for memory while filling)."""
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    fields[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    if len(fields) < 2:
-        return None
-    return max(0, fields["MemAvailable"] - fields["MemTotal"] // 8)
-
-
-def check_host_memory(pinned: int, pageable: int, second: int, precision: str, available: int | None,
-                      pinning: str = "") -> None:
-    """Refuse, before anything is allocated (or, `pinning` saying so, before the pageable part is), host
-    buffers this machine cannot hold (the alternative is the kernel killing the process halfway through)."""
-    if available is None or pinned + pageable <= available:
-        return
-    gb = 1e9
-    fixes = []
-    if second:
-        fixes.append(f"speculative_clip=False (saves {second / gb:.1f} GB; clipping then waits for backward)")
-    if precision == "mixed":
-        fixes.append("precision='bf16-sr' or 'bf16' (bf16 moments, no fp32 master: a third of the state; "
-                     "bf16-sr's stochastic rounding keeps updates below a bf16 ulp that bf16 loses)")
-    fixes.append("fewer trainable parameters (freeze some, or LoRA) or a smaller model")
-    done = pinning or "nothing was allocated"
-    raise MemoryError(f"Offloader: the host buffers need {(pinned + pageable) / gb:.1f} GB ({pinned / gb:.1f} GB "
-                      f"pinned, {pageable / gb:.1f} GB pageable) but this machine has {available / gb:.1f} GB "
-                      f"available; {done}. Options: {'; '.join(fixes)}")
 
 
 class NativeBackend(Backend):
@@ -104,6 +53,7 @@ class NativeBackend(Backend):
         # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
         # own, kept (as its accum) until the norm decides between the step standing and a redo.
         self._keep_grads = self.speculative and grad_accum == 1
+        self._grad_accum = grad_accum
         self.asynchronous = async_step
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
@@ -122,18 +72,16 @@ class NativeBackend(Backend):
         self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
         self._flushed: set[int] = set()    # units whose gradients came this step
         self._layers: list[LayerBuffers] = []  # per unit
-        self._blocks: list[int] | None = None   # plan(): the pinned blocks to reserve
+        self._host_plan: NativeHostPlan | None = None  # plan(): the host buffers to reserve
         self._before: int | None = None         # plan(): the host memory available then
 
     def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Choose the gradient slots and the slicing, then check host memory for the plan, speculating as
         high up as it fits; nothing is allocated."""
-        largest = max(t for _, t in sizes)
-        if self._keep_grads:
-            self._grad_slots = 0
-        else:
-            slots = self._grad_slots or default_grad_slots(self.precision, len(sizes), self.accumulate)
-            self._grad_slots = min(len(sizes), slots)
+        planned = NativeHostPlan.choose(self.precision, tuple(sizes), tuple(own_grads), grad_slots=self._grad_slots,
+                                        accumulate=self.accumulate, speculative_units=self._speculative_units,
+                                        grad_accum=self._grad_accum)
+        self._grad_slots = planned.grad_slots
         self._slot_owner = [None] * self._grad_slots
         if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):
             # The engine steps units in slices so that a lower layer can overtake one already started.
@@ -144,115 +92,53 @@ class NativeBackend(Backend):
             # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
             # had started when backward ended).
             self._engine.set_slice_elements(1 << 62)
-        units = [*sizes, *own_grads]  # in unit order: the stacks' layers, then the part outside them
-        before = available_host_bytes()
-        self._fit_speculation(lambda: sum(self._pinned_blocks(sizes, list(own_grads), largest)), units, before)
-        self._blocks = self._pinned_blocks(sizes, list(own_grads), largest)
-        check_host_memory(sum(self._blocks), self._pageable_bytes(units), self._second_buffer_bytes(units),
-                          self.precision, before)
+        before = host_sizes.available_host_bytes()
+        self._adopt(planned.fitted(before), planned)
+        host_sizes.check_host_memory(self._host_plan.need(), before, self._host_plan.alternatives())
         self._before = before
+
+    def _adopt(self, fitted: NativeHostPlan, planned: NativeHostPlan) -> None:
+        """Take the plan that host memory holds; say when it speculates on fewer units than asked."""
+        kept, asked = len(fitted.speculative_units), len(planned.speculative_units)
+        if kept < asked:
+            dropped = sorted(planned.speculative_units - fitted.speculative_units)
+            warnings.warn(f"Offloader: host memory holds second buffers for {kept} of {asked} speculative units; "
+                          f"units {dropped[0]}-{dropped[-1]} wait for the norm under clipping", stacklevel=4)
+        self._host_plan = fitted
+        self._speculative_units = fitted.speculative_units
+        self._hedged_units &= self._speculative_units
+        self._speculating = self._speculative_units
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
-        if self._blocks is None:
+        if self._host_plan is None:
             self.plan(sizes, own_grads)
-        self._reserve([*sizes, *own_grads])
+        self._reserve()
         largest = max(t for _, t in sizes)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
 
-    def _reserve(self, units: list[tuple[int, int]]) -> None:
+    def _reserve(self) -> None:
         """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
-        blocks, before = self._blocks, self._before
-        self._engine.reserve_pinned_blocks(blocks)
+        pinned, before = self._host_plan.pinned_blocks(), self._before
+        self._engine.reserve_pinned_blocks([b.nbytes for b in pinned])
         # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
         # pageable part is checked again against what is left, before any of it is allocated. (A unit
         # trimmed here leaves its page-locked second params unused: they are reserved already.)
-        after = available_host_bytes()
+        after = host_sizes.available_host_bytes()
         if before is not None and after is not None:
-            cost = f"page-locking {sum(blocks) / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
-            self._fit_speculation(lambda: 0, units, after)
+            locked = sum(b.nbytes for b in pinned)
+            cost = f"page-locking {locked / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
+            self._adopt(self._host_plan.fitted(after, pinned=False), self._host_plan)
             try:
-                check_host_memory(0, self._pageable_bytes(units), self._second_buffer_bytes(units),
-                                  self.precision, after, pinning=f"{cost}, and the pinned memory is released again")
+                pageable = HostNeed(tuple(self._host_plan.pageable_blocks()))
+                released = f"{cost}, and the pinned memory is released again"
+                host_sizes.check_host_memory(pageable, after, pinning=released)
             except MemoryError:
                 self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
                 raise
         # Faulted in now, on the set-up threads: a first write inside a host step costs several times the
         # step (B2 speculative steps whose second buffers were fresh: 150 ms against 30, run 33).
-        self._engine.reserve_host_blocks([b + _ALIGN for b in self._pageable_blocks(units)])
-
-    def _pinned_blocks(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]], largest: int) -> list[int]:
-        """Bytes of each pinned buffer prepare() and new_layer() will take, in that order: the gradient
-        ring's slots, then per unit its params, (a gradient of its own, or kept) its gradient and ("bf16"
-        speculation) its second params. Each with room for the rounding to a page and its start past the
-        page boundary."""
-        blocks = [2 * largest + _ALIGN] * self._grad_slots
-        for i, (n, t) in enumerate(sizes):
-            blocks.append(2 * n + _ALIGN)
-            if self._keep_grads:
-                blocks.append(2 * t + _ALIGN)
-            blocks += [b + _ALIGN for b, pinned in self._second_buffers(i, n, t) if pinned]
-        for n, t in own_grads:
-            blocks += [2 * n + _ALIGN, 2 * t + _ALIGN]
-        return blocks
-
-    def _fit_speculation(self, pinned: Callable[[], int], units: list[tuple[int, int]],
-                         available: int | None) -> None:
-        """Speculate only as high up the stacks as `available` host memory holds second buffers for
-        (`pinned`: the page-locked bytes the plan takes as it stands): the lowest units go first (they land
-        last, so speculating on them gains least). None left: check_host_memory says what would fit."""
-        spec = sorted(self._speculative_units)
-        if available is None or not spec:
-            return
-        dropped = []
-        while spec and pinned() + self._pageable_bytes(units) > available:
-            dropped.append(spec.pop(0))
-            self._speculative_units = frozenset(spec)
-        if dropped and spec:
-            warnings.warn(f"Offloader: host memory holds second buffers for {len(spec)} of "
-                          f"{len(spec) + len(dropped)} speculative units; units {dropped[0]}-{dropped[-1]} "
-                          f"wait for the norm under clipping", stacklevel=3)
-        elif dropped:  # nothing speculates after all: the error names the full plan's numbers
-            self._speculative_units = frozenset(dropped)
-        self._hedged_units &= self._speculative_units
-        self._speculating = self._speculative_units
-
-    def _state_bytes(self) -> int:
-        return 4 if self.precision == "mixed" else 2
-
-    def _pinned_second(self) -> bool:
-        """Whether the first second buffer is page-locked: "bf16" copies params from it once swapped."""
-        return self.precision != "mixed"
-
-    def _second_buffers(self, index: int, numel: int, trainable: int) -> list[tuple[int, bool]]:
-        """(bytes, page-locked) of each second buffer new_layer gives unit `index` for speculative clipping,
-        in its order: whole params (page-locked, "bf16") or the fp32 master, then both moments."""
-        if index not in self._speculative_units:
-            return []
-        first = (2 * numel, True) if self._pinned_second() else (4 * trainable, False)
-        return [first] + [(self._state_bytes() * trainable, False)] * 2
-
-    def _second_buffer_bytes(self, sizes: list[tuple[int, int]]) -> int:
-        """Host bytes of speculative clipping's second buffers, page-locked ones included."""
-        return sum(b for i, (n, t) in enumerate(sizes) for b, _ in self._second_buffers(i, n, t))
-
-    def _pageable_blocks(self, sizes: list[tuple[int, int]]) -> list[int]:
-        """Bytes of each pageable buffer new_layer will allocate for these units, in its order: both
-        moments, the fp32 master ("mixed"), the bf16 accumulator (accumulation without kept gradients),
-        the pageable second buffers."""
-        sb = self._state_bytes()
-        blocks = []
-        for i, (n, t) in enumerate(sizes):
-            blocks += [sb * t, sb * t]
-            if self.precision == "mixed":
-                blocks.append(4 * t)
-            if self.accumulate and not self._keep_grads:
-                blocks.append(2 * t)
-            blocks += [b for b, pinned in self._second_buffers(i, n, t) if not pinned]
-        return blocks
-
-    def _pageable_bytes(self, sizes: list[tuple[int, int]]) -> int:
-        return sum(self._pageable_blocks(sizes))
+        self._engine.reserve_host_blocks([b.nbytes for b in self._host_plan.pageable_blocks()])
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:

@@ -23,7 +23,9 @@ import torch
 
 from ..stochastic_rounding import adamw_step_sr
 from ..timeline import Timeline, span
+from . import sizes as host_sizes
 from .base import Backend, Hyper, LayerBuffers
+from .sizes import PYTHON_ALIGN, HostNeed, aligned, python_alternatives, python_arena_elements, python_host_need
 
 
 class _CudaCopies:
@@ -79,10 +81,10 @@ class _ThreadCopies:
 class _PinnedArena:
     """Views into one host tensor, page-locked as a whole on CUDA (plain memory on the simulated device)."""
 
-    _ALIGN = 2048  # elements of 2 bytes: every view starts on a 4 KiB page
+    ALIGN = PYTHON_ALIGN
 
     def __init__(self, numel: int, dtype: torch.dtype, lock: bool) -> None:
-        self.tensor = torch.empty(numel + self._ALIGN, dtype=dtype)  # slack to start on a page
+        self.tensor = torch.empty(numel + self.ALIGN, dtype=dtype)  # slack to start on a page
         self.tensor.zero_()  # faults the pages in on torch's threads, before the driver locks them
         self._used = (-self.tensor.data_ptr() % 4096) // self.tensor.element_size()
         self._unlock = None
@@ -98,7 +100,7 @@ class _PinnedArena:
 
     @classmethod
     def footprint(cls, numel: int) -> int:
-        return -(-numel // cls._ALIGN) * cls._ALIGN
+        return aligned(numel, cls.ALIGN)
 
     def take(self, numel: int) -> torch.Tensor:
         """The next `numel` elements (the arena is sized in prepare() for every buffer to come)."""
@@ -138,10 +140,18 @@ class PythonBackend(Backend):
         self._fail_next_copy = False
         self._fail_next_step = False
 
+    def host_need(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> HostNeed:
+        """The host buffers prepare() and new_layer() will take for these units."""
+        return python_host_need(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
+
+    def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        alternatives = python_alternatives(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
+        host_sizes.check_host_memory(self.host_need(sizes, own_grads), host_sizes.available_host_bytes(), alternatives)
+
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """One pinned arena for every layer's params and grads."""
-        fp = _PinnedArena.footprint
-        self._arena = _PinnedArena(sum(fp(n) + fp(t) for n, t in [*sizes, *own_grads]), torch.bfloat16, self._pin)
+        elements = python_arena_elements(tuple(sizes), tuple(own_grads))
+        self._arena = _PinnedArena(elements, torch.bfloat16, self._pin)
 
     def _pinned(self, numel: int) -> torch.Tensor:
         assert self._arena is not None, "prepare() was not called"
