@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load scratch-8b train-qwen train-lora (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora (default: build test
 # adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
@@ -18,6 +18,9 @@ OUT=${OUT:-/tmp/offload_ext_out}
 mkdir -p "$OUT"
 touch "$OUT/.start"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+# The GPU image keeps no bytecode for its site-packages: every process compiled transformers' sources again
+# (4 s of each offload-train start, run 39). Cached here, as an installed environment has it.
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/offload_ext_pycache}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test adamw train)
 status=0
@@ -145,6 +148,11 @@ for step in "${steps[@]}"; do
       # engine against transformers' load, each followed by one step: times and host RSS
       run load python3 benchmarks/bench_load.py --preset "${LOAD_PRESET:-b2}" --device cuda --step "${LOAD_STEP:-1x4096}" \
         --vias "${LOAD_VIAS:-engine,transformers}" ;;
+    dry-run)  # issue 12: offload-train --dry-run's plans for DRY_MODELS (default llama-8b,qwen-14b) at batch 1 x 4096
+      models=${DRY_MODELS:-llama-8b,qwen-14b}
+      for m in ${models//,/ }; do
+        run "dry_run_$m" offload-train --model "$m" --device cuda --batch-size 1 --seq-len 4096 --dry-run ${DRY_ARGS:-}
+      done ;;
     scratch-8b)  # issue 12: offload-train from scratch on the 8B shape (drawn into the engine): time to the first step.
       # SCRATCH_TIMEOUT (s) stops it before its final checkpoint (48 GB of params and moments) when only the start counts
       timed=(); [ -x /usr/bin/time ] && timed=(/usr/bin/time -v)  # its peak RSS, where the image has it

@@ -17,6 +17,8 @@ PAGE = 4096
 # its end to a page.
 ALIGN = 2 << 12
 _GB = 1e9
+# What precision='bf16' (or 'bf16-sr', the same buffers) saves against "mixed", as a refusal names it.
+BF16_STATES = "bf16 moments, no fp32 master; 'bf16-sr' too, whose stochastic rounding keeps updates below a bf16 ulp"
 
 Sizes = tuple[tuple[int, int], ...]
 
@@ -213,9 +215,7 @@ class NativeHostPlan:
             plain = self._again(speculative_units=frozenset(), accumulate=True).need().total
             options.append(Alternative("speculative_clip=False", plain, "clipping then waits for backward"))
         if self.precision == "mixed":
-            options.append(Alternative("precision='bf16-sr' or 'bf16'", self._again(precision="bf16").need().total,
-                                       "bf16 moments, no fp32 master; bf16-sr's stochastic rounding keeps "
-                                       "updates below a bf16 ulp that bf16 loses"))
+            options.append(Alternative("precision='bf16'", self._again(precision="bf16").need().total, BF16_STATES))
         frozen = self._again(sizes=tuple((n, 0) for n, _ in self.sizes),
                              own_grads=tuple((n, 0) for n, _ in self.own_grads), speculative_units=frozenset())
         options.append(Alternative("LoRA", frozen.need().total, "the frozen base's bf16 params; adapters not counted"))
@@ -270,7 +270,7 @@ def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumula
     options = []
     if precision == "mixed":
         options.append(Alternative("precision='bf16'", python_host_need("bf16", sizes, own_grads, accumulate).total,
-                                   "bf16 moments, no fp32 master"))
+                                   BF16_STATES))
     frozen = python_host_need(precision, tuple((n, 0) for n, _ in sizes), tuple((n, 0) for n, _ in own_grads),
                               accumulate)
     options.append(Alternative("LoRA", frozen.total, "the frozen base's bf16 params; adapters not counted"))
