@@ -118,6 +118,23 @@ def test_bf16_sr_training_is_reproducible_from_its_seed() -> None:
         assert torch.equal(runs[0][name], runs[1][name]) and not torch.equal(runs[0][name], runs[2][name])
 
 
+def test_a_bf16_sr_state_is_refused_by_an_offloader_of_another_seed() -> None:
+    # Its stream could not continue: the message names the seed that would.
+    base = tiny_llama(layers=2)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, precision="bf16-sr", device="cpu", sr_seed=3)
+    offloaded_training(off, model, batches(1))
+    saved = off.state_dict()
+    off.close()
+    same = offload_ext.Offloader(copy.deepcopy(base), lr=LR, precision="bf16-sr", device="cpu", sr_seed=3)
+    same.load_state_dict(saved)
+    same.close()
+    other = offload_ext.Offloader(copy.deepcopy(base), lr=LR, precision="bf16-sr", device="cpu", sr_seed=4)
+    with pytest.raises(ValueError, match="sr_seed=3 to continue"):
+        other.load_state_dict(saved)
+    other.close()
+
+
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_bf16_sr_moves_streamed_and_device_kept_weights_that_bf16_freezes(backend) -> None:
     # Norm weights start at 1.0, whose bf16 neighbours are 2^-8 below and 2^-7 above. Adam's steps are at most

@@ -110,6 +110,7 @@ class Offloader(torch.optim.Optimizer):
         super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
+        self._sr_seed = sr_seed if precision == "bf16-sr" else None  # saved with the state: a resume continues it
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
@@ -330,10 +331,11 @@ class Offloader(torch.optim.Optimizer):
     def _small_state(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"step": self._step, "precision": self.precision, "param_groups": groups,
-                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict()}
+                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict(),
+                "sr_seed": self._sr_seed}
 
     def _check_small_state(self, state: dict[str, Any]) -> None:
-        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups))
+        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups), self._sr_seed)
 
     def _load_small_state(self, state: dict[str, Any]) -> None:
         self._device_opt.load_state_dict(state["outer"])

@@ -69,10 +69,17 @@ def span_names(model: nn.Module, layout: Layout) -> list[list[str]]:
     return [[names.get(id(s.param), "?") for s in unit.spans] for unit in layout.units]
 
 
-def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], groups: int) -> None:
+def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], groups: int,
+                sr_seed: int | None = None) -> None:
+    """Refuse a state this Offloader cannot continue exactly (`sr_seed`: its bf16-sr stream's seed)."""
     if state["precision"] != precision:
         raise ValueError(f"Offloader: state is for precision {state['precision']!r}, this Offloader uses "
                          f"{precision!r}")
+    saved = state.get("sr_seed")  # states from before bf16-sr have none: nothing to continue
+    if sr_seed is not None and saved is not None and saved != sr_seed:
+        raise ValueError(f"Offloader: the state's bf16-sr steps drew from sr_seed={saved}, this Offloader's from "
+                         f"sr_seed={sr_seed}: build it with sr_seed={saved} to continue the same run "
+                         "(offload-train: the same --seed)")
     if len(state["param_groups"]) != groups:
         raise ValueError(f"Offloader: state has {len(state['param_groups'])} param groups, this Offloader {groups}: "
                          "build it with the same groups / no_decay")
