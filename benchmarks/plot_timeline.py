@@ -7,11 +7,13 @@ stall, shows at a glance.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 
 
 def load(path: str) -> tuple[list[str], list[dict]]:
-    with open(path) as f:
+    """(lane names in order, complete events each with its lane) of a trace file, gzipped (.gz) or not."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         trace = json.load(f)["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
     events = [dict(e, lane=lanes[e["tid"]]) for e in trace if e["ph"] == "X"]

@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead (default: build test
 # adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
@@ -139,6 +139,10 @@ for step in "${steps[@]}"; do
         run "plot_${shape}_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines_$shape/timeline_$m.json" \
           "$OUT/timeline_${shape}_$m.png" --title "${shape^^} $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
       done ;;
+    overhead)  # the launching thread's cost per layer: a 16-layer shape so small that the GPU does next to nothing
+      run overhead python3 benchmarks/bench_train.py --stem train_tiny_overhead --layers 16 --hidden 256 --intermediate 512 \
+        --heads 4 --kv-heads 2 --vocab 1024 --batch 4 --seq 64 --steps 12 --warmup 3 \
+        --modes resident,native-bf16,resident-accum4,native-bf16-accum4 ;;
     train-quick) run train python3 benchmarks/bench_train.py --modes resident,native-bf16 --stem train_b1_quick ;;
     train-mixed)  # mixed variants, each twice, interleaved: host steps whole vs sliced, 2 vs 16 device layers
       run train_mixed python3 benchmarks/bench_train.py --stem train_b1_mixed_variants --modes \

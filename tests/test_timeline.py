@@ -100,3 +100,12 @@ def test_plot_timeline_draws_one_step_as_a_png(tmp_path) -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_timeline.py"
     subprocess.run([sys.executable, str(script), str(trace), str(png), "--step", "1"], check=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_stats_counts_one_host_step_per_unit_in_a_step(tmp_path) -> None:
+    trace = tmp_path / "t.json"
+    _traced_run("native", trace)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_stats.py"
+    out = subprocess.run([sys.executable, str(script), str(trace), "--step", "1"], check=True, capture_output=True,
+                         text=True).stdout
+    assert "  step uN: " in out and f"({LAYERS}, " in out.split("host steps by kind")[1], out

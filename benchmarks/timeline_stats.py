@@ -1,0 +1,80 @@
+"""One step of an Offloader timeline (Offloader.trace, bench_train --trace [--trace-gpu]) in numbers: each
+lane's busy time, the GPU compute stream's busy share in each forward and backward pass (a trace with the
+profiler's GPU lanes), the Python thread's waits by reason and the host steps by kind. What
+plot_timeline.py draws, as text that two runs can be compared by.
+
+    python benchmarks/timeline_stats.py timeline.json --step 1
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+
+from plot_timeline import load, step_window
+
+_UNIT = re.compile(r"\bu\d+\b")
+
+
+def busy_ms(events: list[dict], lo: float, hi: float) -> float:
+    """Time inside [lo, hi] covered by at least one of `events` (overlaps counted once), in ms."""
+    spans = sorted((max(lo, e["ts"]), min(hi, e["ts"] + e["dur"])) for e in events)
+    total, end = 0.0, lo
+    for a, b in spans:
+        if b > max(a, end):
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def passes(events: list[dict], lo: float, hi: float) -> list[tuple[str, float, float]]:
+    """The step's passes in order: each backward span of the Python thread, and the forward before it
+    (from the end of the previous pass, or the window's start)."""
+    out, prev = [], lo
+    for e in sorted((e for e in events if e["lane"] == "python" and e["name"] == "backward" and lo <= e["ts"] < hi),
+                    key=lambda e: e["ts"]):
+        out += [("forward", prev, e["ts"]), ("backward", e["ts"], e["ts"] + e["dur"])]
+        prev = e["ts"] + e["dur"]
+    return out
+
+
+def report(lanes: list[str], events: list[dict], window: tuple[float, float]) -> list[str]:
+    lo, hi = window
+    inside = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+    by_lane = defaultdict(list)
+    for e in inside:
+        by_lane[e["lane"]].append(e)
+    lines = [f"step window {(hi - lo) / 1e3:.1f} ms", "lane: busy ms (events)"]
+    lines += [f"  {lane}: {busy_ms(by_lane[lane], lo, hi):.1f} ({len(by_lane[lane])})"
+              for lane in lanes if by_lane[lane]]
+    gpu = [lane for lane in by_lane if lane.startswith("GPU")]
+    if gpu:  # the compute stream: the GPU lane with the most kernels
+        compute = max(gpu, key=lambda lane: len(by_lane[lane]))
+        lines.append(f"{compute} busy share per pass:")
+        for name, a, b in passes(inside, lo, hi):
+            if b > a:
+                share = busy_ms(by_lane[compute], a, b) / ((b - a) / 1e3)
+                lines.append(f"  {name} {(b - a) / 1e3:.1f} ms: {share:.0%}")
+    for lane, title in (("wait", "Python thread's waits by reason: ms (count, longest)"),
+                        ("host step", "host steps by kind: ms (count, longest)")):
+        groups = defaultdict(list)
+        for e in by_lane.get(lane, []):
+            groups[_UNIT.sub("uN", e["name"])].append(e["dur"] / 1e3)
+        if groups:
+            lines.append(title)
+            ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+            lines += [f"  {k}: {sum(v):.1f} ({len(v)}, {max(v):.1f})" for k, v in ranked]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="a timeline JSON (or .json.gz)")
+    ap.add_argument("--step", type=int, default=0, help="which traced optimizer step (0-based)")
+    a = ap.parse_args()
+    lanes, events = load(a.trace)
+    print("\n".join(report(lanes, events, step_window(events, a.step))))
+
+
+if __name__ == "__main__":
+    main()
