@@ -92,6 +92,18 @@ def test_state_dict_round_trip_continues_identically(dtype, master, sr) -> None:
         assert torch.equal(a, b)
 
 
+def test_a_stochastic_rounding_state_is_refused_by_an_optimizer_of_another_seed() -> None:
+    model = _model(torch.bfloat16)
+    opt = offload_ext.CPUAdamW(_groups(model), stochastic_rounding=True, sr_seed=3)
+    _train(model, opt, 1)
+    saved = opt.state_dict()
+    for make in (lambda: offload_ext.CPUAdamW(_groups(model), stochastic_rounding=True, sr_seed=4),
+                 lambda: offload_ext.StochasticAdamW(_groups(model), seed=4)):
+        with pytest.raises(ValueError, match="sr_seed=3 to continue"):
+            make().load_state_dict(saved)
+    offload_ext.StochasticAdamW(_groups(model), seed=3).load_state_dict(saved)  # the same seed continues
+
+
 def test_loads_a_torch_adamw_state_dict() -> None:
     ref_model = _model()
     ref = torch.optim.AdamW(_groups(ref_model), fused=True)

@@ -43,6 +43,14 @@ def _stepped(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
             index += 1
 
 
+def _check_seed(state_dict: dict[str, Any], seed: int, who: str) -> None:
+    """Refuse a state whose stochastic rounding drew from another seed: its stream could not continue."""
+    saved = state_dict.get("sr_seed")  # states saved before the seed was kept have none
+    if saved is not None and saved != seed:
+        raise ValueError(f"{who}: the state's stochastic rounding drew from sr_seed={saved}, this optimizer's "
+                         f"from sr_seed={seed}: build it with sr_seed={saved} to continue the same run")
+
+
 class CPUAdamW(torch.optim.Optimizer):
     """Drop-in for torch.optim.AdamW on CPU parameters (amsgrad=False, maximize=False).
 
@@ -137,7 +145,12 @@ class CPUAdamW(torch.optim.Optimizer):
             )
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sr_seed": self.sr_seed}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if any(g["stochastic_rounding"] for g in self.param_groups):
+            _check_seed(state_dict, self.sr_seed, "CPUAdamW")
         # torch casts every loaded state tensor to its parameter's dtype; master-weight states
         # must stay fp32, so they are restored from the originals afterwards.
         saved_groups = state_dict["param_groups"]
@@ -175,6 +188,13 @@ class StochasticAdamW(torch.optim.AdamW):
             for p in group["params"]:
                 if p.dtype != torch.bfloat16 or not p.is_contiguous():
                     raise ValueError("StochasticAdamW: parameters must be contiguous bf16 tensors")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sr_seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _check_seed(state_dict, self.seed, "StochasticAdamW")
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
