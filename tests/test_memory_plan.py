@@ -22,7 +22,8 @@ from offload_ext.memory_plan import Shape, layer_activation_bytes, loss_rows
 HOST_KNOBS = [dict(), dict(precision="mixed"), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, precision="mixed"),
               dict(max_grad_norm=1.0, speculative_clip=False), dict(grad_accum=2),
               dict(grad_accum=2, max_grad_norm=1.0), dict(resident_layers=1), dict(offload_all=True),
-              dict(grad_slots=2, precision="mixed")]
+              dict(grad_slots=2, precision="mixed"), dict(precision="bf16-sr"),
+              dict(precision="bf16-sr", max_grad_norm=1.0)]
 
 
 @pytest.mark.parametrize("knobs", HOST_KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "defaults")
