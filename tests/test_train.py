@@ -170,6 +170,19 @@ def test_clipping_with_offload_logs_the_gradient_norm(tmp_path) -> None:
     assert all(r["grad_norm"] > 0 for r in rows)
 
 
+def test_device_layers_keep_the_same_losses_and_a_single_buffer_is_a_clear_error(tmp_path, capsys) -> None:
+    # More layer buffers change only where the weights wait on the device, not the arithmetic.
+    runs = {}
+    for n in ("2", "4"):
+        out = str(tmp_path / f"d{n}")
+        train.run(train.parse_args(["--out", out, "--device", "cpu-sim", "--steps", "3", "--batch-size", "2",
+                                    "--seq-len", "16", "--grad-accum", "2", "--device-layers", n]))
+        runs[n] = [m["loss"] for m in _metrics(out)]
+    assert runs["2"] == runs["4"]
+    _fails(["--out", str(tmp_path / "d1"), "--device", "cpu-sim", "--steps", "1", "--device-layers", "1"],
+           "device_layers must be >= 2", capsys)
+
+
 def test_a_pretrained_model_directory_without_a_tokenizer_is_refused_with_the_fix(tmp_path, capsys) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--resident-layers", type=int, default=0,
                     help="keep the lowest N layers of each stack on the GPU, stepped there (offload)")
+    ap.add_argument("--device-layers", type=int, default=2,
+                    help="layer buffers on the GPU per stack (offload): with one per layer the weights stay there "
+                         "between a step's micro-batches instead of streaming twice in each")
     ap.add_argument("--accumulate-on", choices=("auto", "device", "host"), default="auto",
                     help="where --grad-accum's micro-batches are summed (offload): on the GPU, one gradient copy "
                          "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "

@@ -32,7 +32,8 @@ def offloader_kwargs(args: argparse.Namespace, device: torch.device,
                 device=device, compile_layers=args.compile, offload_all=args.offload_all, grad_accum=args.grad_accum,
                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
-                resident_layers=args.resident_layers, weights=weights, sr_seed=args.seed)
+                resident_layers=args.resident_layers, device_layers=args.device_layers, weights=weights,
+                sr_seed=args.seed)
 
 
 def lr_factor(args: argparse.Namespace, step: int) -> float:
