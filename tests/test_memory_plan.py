@@ -128,9 +128,7 @@ def test_the_offloaders_device_check_refuses_what_stays_on_the_gpu(monkeypatch) 
 
     model = _meta_llama(layers=4, hidden=2048)  # embeddings and head of 32000 x 2048: 0.26 GB, 0.52 GB of state
     device = torch.device("cuda", 0)
-    choices = choose(model, device, backend="native", offload_all=False, group_of=lambda p: 0, resident_layers=0,
-                     grad_accum=1, max_grad_norm=None, speculative_clip=True, accumulate_on_device=None,
-                     grad_slots=None)
+    choices = choose(model, Settings(), device, lambda p: 0)
     monkeypatch.setattr(planning, "_free_for", lambda model, device: 1_600_000_000)
     with pytest.raises(MemoryError, match=r"the device needs 2\.[0-9] GB before any activation \(params outside the "
                                           r"stacks \(bf16\) 0\.26 GB.* 1\.6 GB is free.*nothing was allocated.*"

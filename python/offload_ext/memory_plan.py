@@ -67,18 +67,18 @@ class EngineChoices:
                     hedged_units=self.hedged_units)
 
 
-def choose(model: nn.Module, device: torch.device, *, backend: str, offload_all: bool, group_of: GroupOf,
-           resident_layers: int, grad_accum: int, max_grad_norm: float | None, speculative_clip: bool,
-           accumulate_on_device: bool | None, grad_slots: int | None, free_device: int | None = None) -> EngineChoices:
+def choose(model: nn.Module, settings: Settings, device: torch.device, group_of: GroupOf,
+           free_device: int | None = None) -> EngineChoices:
     """The layout, the step policy and the units that speculate under clipping (`free_device`: what the
     device may still allocate, for the choice of summing micro-batches there; None asks the device)."""
-    layout = plan_layout(model, offload_all, group_of, resident_layers)
+    s = settings
+    layout = plan_layout(model, s.offload_all, group_of, s.resident_layers)
     # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
-    policy = StepPolicy(grad_accum, max_grad_norm, speculative_clip and backend == "native",
-                        sums_on_device(accumulate_on_device, grad_accum, layout.parts, device, free_device))
+    policy = StepPolicy(s.grad_accum, s.max_grad_norm, s.speculative_clip and s.backend == "native",
+                        sums_on_device(s.accumulate_on_device, s.grad_accum, layout.parts, device, free_device))
     spec = speculative_units(layout) if policy.speculative else frozenset()
     hedged = hedged_units(layout) if policy.speculative else frozenset()
-    return EngineChoices(layout, policy, grad_slots, spec, hedged)
+    return EngineChoices(layout, policy, s.grad_slots, spec, hedged)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -427,10 +427,7 @@ def evaluate(model: nn.Module, settings: Settings, machine: Machine, group_of: G
              frozen: bool = False) -> Evaluation:
     """The figures of `settings` on `machine` (`frozen`: as LoRA would train, every base parameter frozen)."""
     s = settings
-    choices = choose(model, machine.device, backend=s.backend, offload_all=s.offload_all, group_of=group_of,
-                     resident_layers=s.resident_layers, grad_accum=s.grad_accum, max_grad_norm=s.max_grad_norm,
-                     speculative_clip=s.speculative_clip, accumulate_on_device=s.accumulate_on_device,
-                     grad_slots=s.grad_slots, free_device=machine.gpu_available if machine.cuda else None)
+    choices = choose(model, s, machine.device, group_of, machine.gpu_available if machine.cuda else None)
     host = host_plan(choices, s.backend, s.precision, machine.host_available, frozen)
     return Evaluation(s, choices, host, _gpu_at(model, s, choices, machine, s.batch_size, s.seq_len, frozen))
 

@@ -102,10 +102,11 @@ class Offloader(torch.optim.Optimizer):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
         self.device = resolve_device(device)
-        choices = choose(model, self.device, backend=backend, offload_all=offload_all, group_of=group_of,
-                         resident_layers=resident_layers, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-                         speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                         grad_slots=grad_slots)
+        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                            resident_layers=resident_layers)
+        choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout
         super().__init__(specs, defaults)
         self.model = model
@@ -125,10 +126,6 @@ class Offloader(torch.optim.Optimizer):
             sr_seed=sr_seed)
         # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.
         self._backend.plan(choices.sizes, choices.own_grads)
-        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
-                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                            resident_layers=resident_layers)
         check_device_memory(model, settings, choices, self.device, group_of)
         check_materialized(model, weights)
         t0 = time.perf_counter()
