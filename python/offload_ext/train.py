@@ -29,6 +29,7 @@ from .train_setup import (
     build_model,
     build_stream,
     check_loss_args,
+    check_loss_chunk,
     model_config,
     planned_vocab,
     resolve_device,
@@ -217,8 +218,7 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
         raise UsageError("--dry-run plans the offload engine's memory: use --backend native or python")
     device = _planned_device(args)
     apply_defaults(args, device.type == "cuda")
-    if args.loss_chunk_tokens < 1:
-        raise UsageError(f"--loss-chunk-tokens must be at least 1, got {args.loss_chunk_tokens}")
+    check_loss_chunk(args)
     model, _ = from_config_empty(model_config(args, planned_vocab(args)), seed=args.seed)
     memory = _plan(args, _with_lora(args, model), device)
     print(memory, flush=True)

@@ -73,9 +73,13 @@ def _load_tokenizer(name: str, from_flag: str) -> Any:
                          "--tokenizer NAME_OR_DIR") from exc
 
 
-def _tokenizer_name(args: argparse.Namespace) -> str | None:
-    """The HF tokenizer the run uses (None: one trained on the embedded corpus)."""
-    return args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+_NEEDS_TOKENIZER = "--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)"
+
+
+def _hf_tokenizer(args: argparse.Namespace) -> Any | None:
+    """The HF tokenizer the run uses, loaded (None: one trained on the embedded corpus)."""
+    name = args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+    return _load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model") if name else None
 
 
 def _embedded_vocab(args: argparse.Namespace) -> int:
@@ -86,13 +90,12 @@ def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
     """(encode_batch: texts -> their ids, eos_id, vocab_size, tokenizer to save with checkpoints). Batches
     encode on the tokenizer's own threads: the embedded corpus one file at a time took 3.6 s of the 8 B
     run's set-up on the GPU machine."""
-    name = _tokenizer_name(args)
-    if name:
-        tok = _load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model")
+    tok = _hf_tokenizer(args)
+    if tok is not None:
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         return (lambda ts: tok(ts, add_special_tokens=False)["input_ids"]), eos, len(tok), tok
     if texts is None:
-        raise UsageError("--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)")
+        raise UsageError(_NEEDS_TOKENIZER)
     vocab = _embedded_vocab(args)
     tok = data_mod.train_tokenizer(texts, vocab, os.path.join(args.out, "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
@@ -115,11 +118,11 @@ def bf16_llama(cfg: Any) -> torch.nn.Module:
 def planned_vocab(args: argparse.Namespace) -> int:
     """The tokenizer's vocabulary size the run will have, without training one (what --dry-run builds the
     model with): the named tokenizer's, or the size the embedded one is trained to."""
-    name = _tokenizer_name(args)
-    if name:
-        return len(_load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model"))
+    tok = _hf_tokenizer(args)
+    if tok is not None:
+        return len(tok)
     if args.dataset != data_mod.EMBEDDED:
-        raise UsageError("--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)")
+        raise UsageError(_NEEDS_TOKENIZER)
     return _embedded_vocab(args)
 
 
@@ -195,9 +198,13 @@ def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, i
                                 encode=lambda t: encode_batch([t])[0], eos_id=eos), tok, vocab
 
 
-def check_loss_args(args: argparse.Namespace, device: torch.device) -> None:
+def check_loss_chunk(args: argparse.Namespace) -> None:
     if args.loss_chunk_tokens < 1:
         raise UsageError(f"--loss-chunk-tokens must be at least 1, got {args.loss_chunk_tokens}")
+
+
+def check_loss_args(args: argparse.Namespace, device: torch.device) -> None:
+    check_loss_chunk(args)
     try:
         resolve_loss_backend(args.loss_backend, device)
     except RuntimeError as exc:
