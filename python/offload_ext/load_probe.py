@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .backends.sizes import proc_bytes
+
 _BLOCK = 1 << 22  # pre-drawn N(0, 1) values every tensor is tiled from: writing stays at disk speed
 
 
@@ -57,12 +59,11 @@ def probe(path: str, via: str = "engine", precision: str = "bf16", device: str =
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - t0}
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
+def _status_bytes(key: str) -> int:
+    value = proc_bytes("/proc/self/status", key).get(key)
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {key}")
+    return value
 
 
 def _child(path: str, via: str, precision: str, device: str, step: str | None) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
     from .weights import dtype_keyword
 
     t0 = time.perf_counter()
-    baseline = _status_kb("VmRSS") * 1024
+    baseline = _status_bytes("VmRSS")
     if via == "engine":
         off = Offloader.from_pretrained(path, precision=precision, device=device)
         model = off.model
@@ -96,7 +97,7 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
     # On the simulated device the device parameters are host memory too.
     device_bytes = sum(p.numel() * p.element_size() for p in off.layout.device_params) if device == "cpu" else 0
     state = stats["pinned_reserved"] + stats["host_reserved"] + device_bytes
-    return {**out, "peak_rss": _status_kb("VmHWM") * 1024, "state_bytes": state,
+    return {**out, "peak_rss": _status_bytes("VmHWM"), "state_bytes": state,
             "pinned_reserved": stats["pinned_reserved"], "host_reserved": stats["host_reserved"],
             "device_bytes": device_bytes}
 

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backends.sizes import Alternative, HostNeed, NativeHostPlan, python_alternatives, python_host_need
+from .backends.sizes import (
+    Alternative,
+    HostNeed,
+    NativeHostPlan,
+    proc_bytes,
+    python_alternatives,
+    python_host_need,
+)
 from .grad_path import sums_on_device
 from .layout import GroupOf, Layout, hedged_units, plan_layout, speculative_units
 from .step_policy import StepPolicy
@@ -112,14 +119,7 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
 
 def process_rss() -> int:
     """This process's resident memory now (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_bytes("/proc/self/status", "VmRSS").get("VmRSS", 0)
 
 
 # ---------------------------------------------------------------------------------------------- device

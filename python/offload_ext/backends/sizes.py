@@ -54,18 +54,25 @@ def available_host_bytes(total: int | None = None) -> int | None:
         total = parse_size(given)
     if total is not None:
         return total - total // 8
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    fields[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
+    fields = proc_bytes("/proc/meminfo", "MemTotal", "MemAvailable")
     if len(fields) < 2:
         return None
     return max(0, fields["MemAvailable"] - fields["MemTotal"] // 8)
+
+
+def proc_bytes(path: str, *keys: str) -> dict[str, int]:
+    """The fields `keys` of a /proc file of "Key:  N kB" lines (meminfo, self/status), in bytes: those it
+    has, none where it cannot be read."""
+    fields: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    fields[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return fields
 
 
 @dataclass(frozen=True)
