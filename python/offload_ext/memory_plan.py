@@ -22,6 +22,7 @@ from .backends.sizes import (
     Alternative,
     HostNeed,
     NativeHostPlan,
+    frozen_units,
     proc_bytes,
     python_alternatives,
     python_host_need,
@@ -105,7 +106,7 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
     sizes, own = choices.sizes, choices.own_grads
     spec = choices.speculative_units
     if frozen:
-        sizes, own, spec = tuple((n, 0) for n, _ in sizes), tuple((n, 0) for n, _ in own), frozenset()
+        sizes, own, spec = frozen_units(sizes), frozen_units(own), frozenset()
     if backend == "native":
         asked = NativeHostPlan.choose(precision, sizes, own, grad_slots=choices.grad_slots,
                                       accumulate=choices.policy.accumulates, speculative_units=spec,

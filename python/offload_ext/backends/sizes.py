@@ -108,6 +108,19 @@ class HostNeed:
         return rows
 
 
+def frozen_units(sizes: Sizes) -> Sizes:
+    """The same units with every parameter frozen: what LoRA needs of the base (its adapters not counted)."""
+    return tuple((n, 0) for n, _ in sizes)
+
+
+def moment_bytes(precision: str) -> int:
+    """Bytes of each moment's element: fp32 in "mixed", bf16 otherwise."""
+    return 4 if precision == "mixed" else 2
+
+
+_LORA = "the frozen base's bf16 params; adapters not counted"
+
+
 def default_grad_slots(precision: str, layers: int, accumulate: bool = False) -> int:
     # bf16: the host step of a layer is quicker than the GPU's backward of one, so a few slots never
     # fill up. mixed, and the last micro-batch of an accumulation (its backward on a smaller batch is
@@ -149,10 +162,6 @@ class NativeHostPlan:
                      accumulate=self.accumulate, speculative_units=self.speculative_units, grad_accum=self.grad_accum)
         return NativeHostPlan.choose(**(asked | changes))
 
-    @property
-    def state_bytes(self) -> int:
-        return 4 if self.precision == "mixed" else 2
-
     def second_buffers(self, index: int, numel: int, trainable: int) -> list[tuple[int, bool]]:
         """(bytes, page-locked) of each second buffer new_layer gives unit `index` for speculative clipping,
         in its order: whole params (page-locked, "bf16": the next forward copies from them once swapped) or
@@ -160,7 +169,7 @@ class NativeHostPlan:
         if index not in self.speculative_units:
             return []
         first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, False)
-        return [first] + [(self.state_bytes * trainable, False)] * 2
+        return [first] + [(moment_bytes(self.precision) * trainable, False)] * 2
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
         return HostBlock(what, page_round(raw + ALIGN), pinned)
@@ -184,7 +193,7 @@ class NativeHostPlan:
         (accumulation without kept gradients), the pageable second buffers."""
         blocks = []
         for i, (n, t) in enumerate((*self.sizes, *self.own_grads)):
-            blocks += [self._block("moments", self.state_bytes * t, False)] * 2
+            blocks += [self._block("moments", moment_bytes(self.precision) * t, False)] * 2
             if self.precision == "mixed":
                 blocks.append(self._block("fp32 master", 4 * t, False))
             if self.accumulate and not self.keep_grads:
@@ -223,9 +232,9 @@ class NativeHostPlan:
             options.append(Alternative("speculative_clip=False", plain, "clipping then waits for backward"))
         if self.precision == "mixed":
             options.append(Alternative("precision='bf16'", self._again(precision="bf16").need().total, BF16_STATES))
-        frozen = self._again(sizes=tuple((n, 0) for n, _ in self.sizes),
-                             own_grads=tuple((n, 0) for n, _ in self.own_grads), speculative_units=frozenset())
-        options.append(Alternative("LoRA", frozen.need().total, "the frozen base's bf16 params; adapters not counted"))
+        base = self._again(sizes=frozen_units(self.sizes), own_grads=frozen_units(self.own_grads),
+                           speculative_units=frozenset())
+        options.append(Alternative("LoRA", base.need().total, _LORA))
         return options
 
 
@@ -262,9 +271,8 @@ def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate:
     """The python backend's host buffers: the pinned arena (bf16, plus one page of slack), then per unit its
     moments, ("mixed") fp32 master and fp32 gradient copy, and (accumulation) its bf16 gradient sum."""
     blocks = [HostBlock("params and gradients", 2 * (python_arena_elements(sizes, own_grads) + PYTHON_ALIGN), True)]
-    state = 4 if precision == "mixed" else 2
     for _, t in (*sizes, *own_grads):
-        blocks += [HostBlock("moments", state * t, False)] * 2
+        blocks += [HostBlock("moments", moment_bytes(precision) * t, False)] * 2
         if precision == "mixed":
             blocks += [HostBlock("fp32 master", 4 * t, False), HostBlock("fp32 gradients", 4 * t, False)]
         if accumulate:
@@ -278,9 +286,8 @@ def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumula
     if precision == "mixed":
         options.append(Alternative("precision='bf16'", python_host_need("bf16", sizes, own_grads, accumulate).total,
                                    BF16_STATES))
-    frozen = python_host_need(precision, tuple((n, 0) for n, _ in sizes), tuple((n, 0) for n, _ in own_grads),
-                              accumulate)
-    options.append(Alternative("LoRA", frozen.total, "the frozen base's bf16 params; adapters not counted"))
+    base = python_host_need(precision, frozen_units(sizes), frozen_units(own_grads), accumulate)
+    options.append(Alternative("LoRA", base.total, _LORA))
     return options
 
 
