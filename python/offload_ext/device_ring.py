@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from .backends import Backend, LayerBuffers
 from .layout import Part
 from .timeline import Timeline
@@ -63,9 +61,9 @@ class DeviceRing:
         if 0 <= i < len(self) and not self.holds_layer(i) and self.backend.ready(self.units[i].index):
             self.load(i)
 
-    def before_layer(self, i: int) -> None:
-        """Position i is about to run: bind it and prefetch the next one in this direction."""
-        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recompute
+    def before_layer(self, i: int, recompute: bool) -> None:
+        """Position i is about to run (in its checkpoint recompute, inside backward: going down): bind it
+        and prefetch the next one in this direction."""
         self.bind(i)
         self.prefetch(i - 1 if recompute else i + 1)
 

@@ -1,14 +1,16 @@
 """Gradient path: each trainable streamed parameter's gradient gathered into its unit's flat device
 gradient buffer as it is produced, and sent to the host with the unit's last one.
 
-A post-accumulate-grad hook per parameter copies .grad into the buffer and frees it at once, so a
-layer's gradients never outlive its backward on the device. Units alternate between (up to) two
-gradient buffers; a buffer is reused only once its previous copy to the host has landed. With gradient
-accumulation on the device, each unit instead sums its micro-batches' gradients in a buffer of its own
-(bf16, as torch sums .grad) and sends the sum once, in the last micro-batch: after its first copy
-there, each .grad is left as a view of the sum until the last micro-batch, so autograd adds the later
-micro-batches' gradients in place, as into any .grad (and as DDP's gradient_as_bucket_view does),
-without a copy of each from Python.
+Before a unit's backward (its checkpoint recompute) its buffer is claimed (its previous copy to the host
+has landed), zeroed, and each parameter's .grad pointed at its span, so autograd adds the gradient there
+in place, as into any .grad (and as DDP's gradient_as_bucket_view does): no copy of each from Python
+(a copy per parameter cost as much as the whole offload overhead in a tiny-model test on the GPU
+machine). A post-accumulate-grad hook per parameter counts it, copies a .grad of its own in (a unit
+with no recompute, or a zero_grad() in between), and clears .grad, so a layer's gradients never
+outlive its backward on the device. Units alternate between (up to) two gradient buffers. With
+gradient accumulation on the device, each unit instead sums its micro-batches' gradients in a buffer of
+its own (bf16, as torch sums .grad), its .grads left pointing at the sum until the last micro-batch,
+which sends it once.
 """
 from __future__ import annotations
 
@@ -57,13 +59,15 @@ class GradPath:
         self.summing = sum_on_device
         if sum_on_device:
             self.buffers = [backend.device_buffer(u.trainable_numel) for u in part.units]
-            self.sums = [{s.offset: buf[s.offset:s.offset + s.numel].view(s.shape) for s in u.trainable_spans}
-                         for u, buf in zip(part.units, self.buffers)]  # per position: each span's .grad view
         else:
             largest = max(1, max(u.trainable_numel for u in part.units))
             self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
-        self.drained: list[Any] = [None] * len(self.buffers)       # per buffer: its last copy to the host
+        n = len(self.buffers)
+        self.views = [{s.offset: self.buffers[i % n][s.offset:s.offset + s.numel].view(s.shape)
+                       for s in u.trainable_spans} for i, u in enumerate(part.units)]  # per position: .grad views
+        self.drained: list[Any] = [None] * n                          # per buffer: its last copy to the host
         self.received: list[set[int]] = [set() for _ in part.units]  # per position: offsets landed this backward
+        self.claimed: set[int] = set()  # positions whose buffer the compute stream may write this backward
         self.first_micro, self.last_micro = True, True  # without summing: every backward copies in and sends
 
     def begin_micro(self, first: bool, last: bool) -> None:
@@ -80,31 +84,41 @@ class GradPath:
                     lambda p, i=i, s=s: self._on_grad(i, s, p)))
         return handles
 
+    def before_backward(self, i: int) -> None:
+        """Position i's backward is about to run: its buffer claimed and zeroed and its .grads pointed into
+        it (after the first micro-batch of a sum they point at the sum already)."""
+        if self.summing and not self.first_micro:
+            return
+        self._claim(i)
+        self.buffers[i % len(self.buffers)][: self.part.units[i].trainable_numel].zero_()
+        for s in self.part.units[i].trainable_spans:
+            s.param.grad = self.views[i][s.offset]
+
+    def _claim(self, i: int) -> None:
+        """The compute stream waits for the last copy to the host out of position i's buffer."""
+        if i not in self.claimed:
+            drained = self.drained[i % len(self.buffers)]
+            if drained is not None:
+                self.backend.compute_wait(drained)
+            self.claimed.add(i)
+
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
         unit = self.part.units[i]
-        b = i % len(self.buffers)
-        if self.first_micro and not self.received[i] and self.drained[b] is not None:
-            self.backend.compute_wait(self.drained[b])  # the buffer's last copy to the host has landed
-        if self.summing:
-            self._sum(i, s, p)
-        else:
-            self.buffers[b][s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
-            p.grad = None
+        view = self.views[i][s.offset]
+        if p.grad.data_ptr() != view.data_ptr():
+            # A .grad of its own (a unit without recompute, or a zero_grad() in between, which drops what
+            # the earlier micro-batches summed, as in torch): into the buffer.
+            self._claim(i)
+            view.copy_(p.grad)
+        # else autograd has added this gradient into the buffer in place
+        p.grad = view if self.summing and not self.last_micro else None
         self.received[i].add(s.offset)
         if len(self.received[i]) == unit.trainable:
             self.received[i].clear()
+            self.claimed.discard(i)
             if self.last_micro:
-                src = self.buffers[b][: unit.trainable_numel]
-                self.drained[b] = self.backend.flush_grads(unit.index, self.host[i], src)
-
-    def _sum(self, i: int, s: Span, p: nn.Parameter) -> None:
-        view = self.sums[i][s.offset]
-        if p.grad.data_ptr() != view.data_ptr():
-            # A .grad of its own: the first micro-batch's, or one after zero_grad() reset it in between,
-            # which (as in torch) drops what the earlier micro-batches summed.
-            view.copy_(p.grad)
-        # else autograd has added this micro-batch's gradient into the sum in place
-        p.grad = None if self.last_micro else view
+                src = self.buffers[i % len(self.buffers)][: unit.trainable_numel]
+                self.drained[i % len(self.buffers)] = self.backend.flush_grads(unit.index, self.host[i], src)
 
     def check_complete(self, name_of: Callable[[nn.Parameter], str]) -> None:
         """Raise if a unit got only some of its gradients in the last backward (and forget them)."""

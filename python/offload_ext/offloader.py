@@ -53,6 +53,17 @@ from .weights import WeightSource, check_materialized, from_config_empty, from_p
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
 
+
+def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
+    """What runs before stack position i's forward: its weights bound, and in its checkpoint recompute
+    (inside backward) its gradient buffer made ready for the gradients about to come."""
+    def before() -> None:
+        recompute = torch._C._current_graph_task_id() != -1
+        ring.before_layer(i, recompute)
+        if recompute:
+            path.before_backward(i)
+    return before
+
 class Offloader(torch.optim.Optimizer):
     """Full CPU offload of a model's layer stacks for training on one device.
 
@@ -145,9 +156,9 @@ class Offloader(torch.optim.Optimizer):
                                            self._hyper_dicts(), group_of, sr_seed)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         self._hooks = [h for path in self._grad_paths for h in path.hook()]
-        for stack, ring in zip(self.layout.stacks, self._rings):
+        for stack, ring, path in zip(self.layout.stacks, self._rings, self._grad_paths):
             for i, layer in enumerate(stack.layers):
-                wrap_layer(layer, lambda ring=ring, i=i: ring.before_layer(i), compile_layers)
+                wrap_layer(layer, _before_layer(ring, path, i), compile_layers)
         for layer in self.layout.resident:  # checkpointed as the streamed layers are, with nothing to fetch
             wrap_layer(layer, lambda: None, compile_layers)
         self._restart_rings()
