@@ -2,7 +2,9 @@
 
 Layer i of a stack uses buffer i % len(buffers). A layer is bound (its parameters' .data made views of
 its buffer) only after the compute stream waits for the copy that filled the buffer, so no kernel can
-read a layer before it has landed, in forward and in checkpoint recompute alike.
+read a layer before it has landed, in forward and in checkpoint recompute alike. A layer's parameters are
+pointed at its buffer once: the buffer of a position never changes, only what it holds (and re-pointing
+nine parameters a layer, twice a micro-batch, was a Python cost the launching thread paid on every bind).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class DeviceRing:
         self.holds: list[int | None] = [None] * buffers  # per buffer: the position whose weights it holds
         self.filled: list[Any] = [None] * buffers        # per buffer: the copy that filled it
         self.copies = 0                                   # host-to-device layer copies so far
+        self.pointed = [False] * len(self.units)          # per position: parameters are views of its buffer
         self.timeline: Timeline | None = None             # set while the Offloader traces
 
     def __len__(self) -> int:
@@ -51,9 +54,11 @@ class DeviceRing:
         self.backend.compute_wait(self.filled[b])
         if self.timeline is not None:
             self.timeline.mark("python", f"bind u{self.units[i].index}", time.monotonic_ns(), unit=self.units[i].index)
-        buf = self.buffers[b]
-        for s in self.units[i].spans:
-            s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+        if not self.pointed[i]:
+            buf = self.buffers[b]
+            for s in self.units[i].spans:
+                s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+            self.pointed[i] = True
 
     def prefetch(self, i: int) -> None:
         """Load position i ahead of its use, unless it is resident or its host step is still running (then
