@@ -18,9 +18,11 @@ OUT=${OUT:-/tmp/offload_ext_out}
 mkdir -p "$OUT"
 touch "$OUT/.start"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-# The GPU image keeps no bytecode for its site-packages: every process compiled transformers' sources again
-# (4 s of each offload-train start, run 39). Cached here, as an installed environment has it.
+# The GPU image keeps no bytecode for its site-packages and sets PYTHONDONTWRITEBYTECODE=1, so every process
+# compiled transformers' and torch's sources again (6-8 s of each start, run 43's profile). Cached here, as an
+# installed environment has it: the prefix alone did nothing while the image's flag stayed set (runs 39-41).
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/offload_ext_pycache}
+unset PYTHONDONTWRITEBYTECODE
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test adamw train)
 status=0
