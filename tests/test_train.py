@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,6 +39,17 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint"))
     default = "small" if torch.cuda.is_available() else "tiny"  # --model auto
     assert model.config.num_hidden_layers == train.BUILTIN[default][1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process's age comes from Linux's /proc")
+def test_elapsed_time_counts_from_the_process_start_not_from_run() -> None:
+    # A process that sleeps 0.5 s before it imports offload-train: its age includes the sleep and the imports.
+    code = ("import time; time.sleep(0.5); from offload_ext.train import seconds_since_process_start as age; "
+            "t = time.perf_counter(); a = age(); time.sleep(0.2); print(a, age() - a, time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, grown, waited = map(float, out.stdout.split())
+    assert 0.5 <= first < 120
+    assert abs(grown - waited) <= 0.03  # /proc counts in clock ticks (10 ms) and uptime in hundredths
 
 
 def test_pretrained_weights_streamed_into_the_engine_give_transformers_first_loss(tmp_path) -> None:
