@@ -55,6 +55,7 @@ import _deepspeed
 import offload_ext
 from offload_ext import testing
 from offload_ext.lora import add_lora
+from offload_ext.timeline import Timeline, span
 from offload_ext.weights import filled_on, materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
@@ -130,7 +131,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
     ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="after the timed steps, trace one more per offloaded mode into DIR/timeline_<mode>.json")
+                    help="after the timed steps, trace one more step per mode (DeepSpeed's aside) into "
+                         "DIR/timeline_<mode>.json")
     ap.add_argument("--trace-gpu", action="store_true",
                     help="with --trace: run the traced step under torch.profiler and merge its GPU streams in")
     ap.add_argument("--memory-log", default=None, metavar="FILE",
@@ -251,8 +253,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor]) -> tuple:
-    """One step over the micro-batches: (loss, summed synchronised forward seconds, whether it clipped)."""
+def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
+                timeline: Timeline | None = None) -> tuple:
+    """One step over the micro-batches: (loss, summed synchronised forward seconds, whether it clipped). A
+    resident step marks its backward passes and step on `timeline` (the Offloader marks its own)."""
     if isinstance(opt, _deepspeed.ZeroRun):
         loss_sum, t_fwd, norm = opt.train_step(micro, _sync)
         return loss_sum, t_fwd, norm is not None and mode.max_grad_norm is not None and norm > mode.max_grad_norm
@@ -262,16 +266,21 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
         loss = offload_ext.causal_lm_loss(model, tokens) / len(micro)
         _sync()
         t_fwd += time.perf_counter() - t0
-        off.backward(loss) if off is not None else loss.backward()
+        if off is not None:
+            off.backward(loss)
+        else:
+            with span(timeline, "python", "backward"):
+                loss.backward()
         loss_sum += loss.item()
     if off is not None:
         off.step()
         off.zero_grad()
         norm = off.last_grad_norm
     else:
-        norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), mode.max_grad_norm))
-                if mode.max_grad_norm is not None else None)
-        opt.step()
+        with span(timeline, "python", "step"):
+            norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), mode.max_grad_norm))
+                    if mode.max_grad_norm is not None else None)
+            opt.step()
         opt.zero_grad(set_to_none=True)
     clipped = norm is not None and norm > mode.max_grad_norm
     return loss_sum, t_fwd, clipped
@@ -329,7 +338,7 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
                          else 0.0)
             busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0
-    if a.trace and off is not None:  # one more step, traced, after the timed ones
+    if a.trace and not isinstance(opt, _deepspeed.ZeroRun):  # one more step, traced, after the timed ones
         _traced_step(mode, model, off, opt, micro, a)
     row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
            "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
@@ -355,16 +364,17 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
 
 def _traced_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
                  a: argparse.Namespace) -> None:
-    """One step on the engine's timeline, written to DIR/timeline_<mode>.json; with --trace-gpu, inside
-    torch.profiler too, its GPU streams (kernels, copies) merged in as more lanes."""
+    """One step on the engine's timeline (a resident step: on one of its own, with its backward passes and
+    step), written to DIR/timeline_<mode>.json; with --trace-gpu, inside torch.profiler too, its GPU streams
+    (kernels, copies) merged in as more lanes, so that both columns' launches can be compared."""
     os.makedirs(a.trace, exist_ok=True)
     profiler = contextlib.nullcontext()
     if a.trace_gpu:
         from torch.profiler import ProfilerActivity, profile
 
         profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    with profiler as prof, off.trace() as timeline:
-        _train_step(mode, model, off, opt, micro)
+    with profiler as prof, (off.trace() if off is not None else contextlib.nullcontext(Timeline())) as timeline:
+        _train_step(mode, model, off, opt, micro, timeline if off is None else None)
     if prof is not None:
         timeline.add_profile(prof)
     timeline.write(os.path.join(a.trace, f"timeline_{mode.name}.json"))

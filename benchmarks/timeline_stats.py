@@ -38,6 +38,15 @@ def passes(events: list[dict], lo: float, hi: float) -> list[tuple[str, float, f
     return out
 
 
+def _launches(events: list[dict], lo: float, hi: float) -> str:
+    """How many events start inside [lo, hi] and the median idle gap between consecutive ones: a stream fed
+    by a launch-bound thread shows many events with short, even gaps."""
+    started = sorted((e for e in events if lo <= e["ts"] < hi), key=lambda e: e["ts"])
+    gaps = sorted(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(started, started[1:]))
+    median = f"{gaps[len(gaps) // 2]:.0f} us" if gaps else "-"
+    return f"{len(started)} events, gap {median}"
+
+
 def report(lanes: list[str], events: list[dict], window: tuple[float, float]) -> list[str]:
     lo, hi = window
     inside = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
@@ -50,11 +59,11 @@ def report(lanes: list[str], events: list[dict], window: tuple[float, float]) ->
     gpu = [lane for lane in by_lane if lane.startswith("GPU")]
     if gpu:  # the compute stream: the GPU lane with the most kernels
         compute = max(gpu, key=lambda lane: len(by_lane[lane]))
-        lines.append(f"{compute} busy share per pass:")
+        lines.append(f"{compute} busy share per pass (events started in it; the gaps between them, median):")
         for name, a, b in passes(inside, lo, hi):
             if b > a:
                 share = busy_ms(by_lane[compute], a, b) / ((b - a) / 1e3)
-                lines.append(f"  {name} {(b - a) / 1e3:.1f} ms: {share:.0%}")
+                lines.append(f"  {name} {(b - a) / 1e3:.1f} ms: {share:.0%}, {_launches(by_lane[compute], a, b)}")
     for lane, title in (("wait", "Python thread's waits by reason: ms (count, longest)"),
                         ("host step", "host steps by kind: ms (count, longest)")):
         groups = defaultdict(list)

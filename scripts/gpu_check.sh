@@ -6,7 +6,7 @@
 # adamw train).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
-# $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes, TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
+# $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes (resident ones too), TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
 # cap; TRACE_GPU=1: with the profiler's GPU streams merged in.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
 # (the device copy's own git names an older commit: the hash must come from the calling side.)

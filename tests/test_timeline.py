@@ -109,3 +109,20 @@ def test_timeline_stats_counts_one_host_step_per_unit_in_a_step(tmp_path) -> Non
     out = subprocess.run([sys.executable, str(script), str(trace), "--step", "1"], check=True, capture_output=True,
                          text=True).stdout
     assert "  step uN: " in out and f"({LAYERS}, " in out.split("host steps by kind")[1], out
+
+
+def test_bench_train_traces_a_resident_step_with_its_backward_passes_as_it_does_an_offloaded_one(tmp_path) -> None:
+    # Both columns of a recipe on one kind of timeline, so that timeline_stats compares their launches.
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    shape = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+             "--vocab", "128", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    subprocess.run([sys.executable, str(bench / "bench_train.py"), "--device", "cpu", *shape, "--stem",
+                    str(tmp_path / "t"), "--modes", "resident-accum2,native-bf16-accum2", "--trace", str(tmp_path)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    for mode in ("resident-accum2", "native-bf16-accum2"):
+        with open(tmp_path / f"timeline_{mode}.json") as f:
+            names = [e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("tid") == 0]
+        assert names.count("backward") == 2 and names.count("step") == 1, (mode, names)
+        stats = [sys.executable, str(bench / "timeline_stats.py"), str(tmp_path / f"timeline_{mode}.json")]
+        out = subprocess.run(stats, check=True, capture_output=True, text=True).stdout
+        assert out.startswith("step window ") and "python:" in out, out
