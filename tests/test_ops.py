@@ -1,6 +1,7 @@
 """torch.library.opcheck on every native op: schema mutation annotations, fake kernels, autograd registration
 and AOT dispatch; on the CPU always, on CUDA (the cross-entropy and sum-of-squares kernels) where a GPU is
-present. Then the sum of squares against an exact reference."""
+present. Then the sum of squares against an exact reference, and the bf16-sr stores against the
+torch-op rule, bit for bit."""
 from __future__ import annotations
 
 import math
@@ -127,3 +128,52 @@ def test_sum_squares_refuses_what_it_cannot_sum() -> None:
         ops.sum_squares(torch.ones(4))
     with pytest.raises(RuntimeError, match="expected a contiguous tensor"):
         ops.sum_squares(torch.ones(4, 4, dtype=torch.bfloat16).t())
+
+
+def _sr_inputs(n: int, device: str) -> tuple[torch.Tensor, ...]:
+    """fp32 results as an AdamW step leaves them, with the values the rule treats apart: NaNs of both signs,
+    infinities, the largest finite floats (which may round to an infinity), zeros of both signs, subnormals."""
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen) * torch.pow(2.0, torch.randint(-30, 30, (n,), generator=gen).float())
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = torch.rand(n, generator=gen) * 1e-6
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38,
+                            0.0, -0.0, 1e-40, -1e-40])
+    for t in (p, m, v):
+        t[: min(n, len(special))] = special[: min(n, len(special))]
+    return tuple(t.to(device) for t in (p, m, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sr_round_bf16_passes_opcheck(device: str) -> None:
+    p, m, v = _sr_inputs(1000, device)
+    outs = tuple(torch.empty(1000, dtype=torch.bfloat16, device=device) for _ in range(3))
+    torch.library.opcheck(torch.ops.offload_ext.sr_round_bf16.default, (p, m, v, *outs, 7, 2, 3, (1 << 33) + 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n, index", [(0, 0), (1, 0), (10, 3), (70_001, 0), (70_001, (1 << 32) - 70_001),
+                                      (4099, 5 << 32)])
+@pytest.mark.parametrize("seed, stream", [(0, 0), (1, 1 << 32), ((1 << 64) - 1, (1 << 63) + 3)])
+def test_sr_round_bf16_stores_the_bits_of_the_torch_op_rule(device: str, n: int, index: int, seed: int,
+                                                           stream: int) -> None:
+    from offload_ext import stochastic_rounding
+
+    p, m, v = _sr_inputs(n, device)
+    ours = [torch.full((n,), 7.0, dtype=torch.bfloat16, device=device) for _ in range(3)]
+    ref = [torch.full((n,), 7.0, dtype=torch.bfloat16, device=device) for _ in range(3)]
+    ops.sr_round_bf16(p, m, v, *ours, seed=seed, stream=stream, step=11, offset=index)
+    stochastic_rounding.store_sr_torch(p, m, v, *ref, seed=seed, stream=stream, step=11, index=index)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_sr_round_bf16_refuses_a_span_across_a_key_block_and_mismatched_buffers() -> None:
+    p, m, v = _sr_inputs(8, "cpu")
+    outs = [torch.empty(8, dtype=torch.bfloat16) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="cross a multiple of 2\\^32; cut the span there"):
+        ops.sr_round_bf16(p, m, v, *outs, seed=0, stream=0, step=1, offset=(1 << 32) - 4)
+    with pytest.raises(RuntimeError, match="expected exp_avg_sq of dtype BFloat16, got Float"):
+        ops.sr_round_bf16(p, m, v, outs[0], outs[1], v.clone(), seed=0, stream=0, step=1, offset=0)
+    with pytest.raises(RuntimeError, match="expected param to have 8 elements"):
+        ops.sr_round_bf16(p, m, v, outs[0][:4], outs[1], outs[2], seed=0, stream=0, step=1, offset=0)

@@ -87,6 +87,24 @@ def sum_squares(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.offload_ext.sum_squares(x)
 
 
+def _int64(x: int) -> int:
+    """x mod 2^64 as the int64 of the same bits: the ops take uint64 seeds and streams through int64."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
+def sr_round_bf16(param32: torch.Tensor, exp_avg32: torch.Tensor, exp_avg_sq32: torch.Tensor, param: torch.Tensor,
+                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, seed: int, stream: int, step: int,
+                  offset: int) -> None:
+    """The stores of a bf16-sr AdamW step from its fp32 results, in one pass on their device: param and
+    exp_avg_sq by stochastic rounding with the words of stream (seed, stream) at `step` for indices
+    offset .. offset + n - 1 (all in one block of 2^32), exp_avg to nearest. Bit for bit
+    offload_ext.stochastic_rounding's rule."""
+    native()
+    torch.ops.offload_ext.sr_round_bf16(param32, exp_avg32, exp_avg_sq32, param, exp_avg, exp_avg_sq, _int64(seed),
+                                        _int64(stream), int(step), int(offset))
+
+
 def set_num_threads(num_threads: int, pin: bool = False) -> None:
     """Size the kernels' thread pool (the caller counts as one); `pin` keeps the lowest CPU free."""
     native().set_num_threads(int(num_threads), bool(pin))
@@ -142,6 +160,13 @@ def _register_fakes_and_autograd() -> None:
                                           grad: torch.Tensor, ignore_index: int, grad_logits: torch.Tensor) -> None:
         torch._check(grad_logits.shape == logits.shape,
                      lambda: "cross_entropy_rows_backward: expected grad_logits shaped like logits")
+
+    @torch.library.register_fake("offload_ext::sr_round_bf16")
+    def _sr_round_bf16_fake(param32: torch.Tensor, exp_avg32: torch.Tensor, exp_avg_sq32: torch.Tensor,
+                            param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int,
+                            stream: int, step: int, offset: int) -> None:
+        _same_numel("sr_round_bf16", param32, exp_avg32=exp_avg32, exp_avg_sq32=exp_avg_sq32, param_bf16=param,
+                    exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
     @torch.library.register_fake("offload_ext::sum_squares")
     def _sum_squares_fake(x: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,18 @@ line for line), and the AdamW step that uses them.
 
 The python backend steps its layers with `adamw_step_sr`, and the Offloader's device-kept parameters
 (and offload-train without offload on a GPU) with offload_ext.optim.StochasticAdamW, the same function
-under a torch.optim.Optimizer.
+under a torch.optim.Optimizer. Its stores go through the extension's sr_round_bf16 op (one pass) where it
+is built for the tensors' device, else through `store_sr_torch`, the rule in torch ops: the same bits.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch.optim.adamw import adamw as _fused_adamw
+
+from . import _ext, ops
 
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
@@ -55,7 +59,7 @@ def random_words(seed: int, stream: int, step: int, index: int, n: int,
     """The words A (an int64 tensor of values in [0, 2^32)) of elements index .. index + n - 1 of the
     stream at `step`; every element in one block of 2^32 indices (the caller cuts at their edges)."""
     high = index >> 32
-    if (index + n - 1) >> 32 != high:
+    if n and (index + n - 1) >> 32 != high:
         raise ValueError("random_words: the elements cross a multiple of 2^32; cut the range there")
     key = stream_key(seed, stream, step, high) & _MASK32
     return _hash32((torch.arange(index, index + n, dtype=torch.int64, device=device) + key) & _MASK32)
@@ -90,22 +94,49 @@ def _pieces(index: int, n: int) -> Iterator[tuple[int, int]]:
         b = e
 
 
+def store_sr_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, *, seed: int, stream: int, step: int, index: int) -> None:
+    """The rule's stores of an AdamW step's fp32 results p, m, v into bf16 param, exp_avg, exp_avg_sq, for
+    stream indices index .. index + n - 1 (all in one block of 2^32), in torch ops: the reference."""
+    word = random_words(seed, stream, step, index, p.numel(), p.device)
+    param.copy_(round_sr(p, word & 0xFFFF))
+    exp_avg.copy_(round_nearest(m))
+    exp_avg_sq.copy_(round_sr(v, word >> 16))
+
+
+@functools.cache
+def native_stores_on(device_type: str) -> bool:
+    """Whether the extension's sr_round_bf16 op is built for this kind of device."""
+    if not _ext.available():
+        return False
+    return device_type == "cpu" or (device_type == "cuda" and bool(_ext.native().native_info()["cuda"]))
+
+
+def store_sr(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor, *, seed: int, stream: int, step: int, index: int,
+             native: bool | None = None) -> None:
+    """store_sr_torch's stores, by the extension's one-pass op where it is built for the device (native=None),
+    or by torch ops (native=False: the reference)."""
+    if native_stores_on(p.device.type) if native is None else native:
+        ops.sr_round_bf16(p, m, v, param, exp_avg, exp_avg_sq, seed=seed, stream=stream, step=step, offset=index)
+    else:
+        store_sr_torch(p, m, v, param, exp_avg, exp_avg_sq, seed=seed, stream=stream, step=step, index=index)
+
+
 @torch.no_grad()
 def adamw_step_sr(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                  sr_seed: int, sr_stream: int, sr_offset: int = 0) -> None:
+                  sr_seed: int, sr_stream: int, sr_offset: int = 0, native: bool | None = None) -> None:
     """One AdamW step over contiguous bf16 tensors, in place, param and exp_avg_sq stored with stochastic
     rounding (exp_avg to nearest): what offload_ext.adamw_step(..., sr_seed=, sr_stream=, sr_offset=) does,
     in torch ops on any device. The fp32 update is torch's fused AdamW on fp32 copies (the native
-    kernel's arithmetic)."""
+    kernel's arithmetic); the stores are store_sr's (`native` chooses as there)."""
     flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
     for b, e in _pieces(sr_offset, param.numel()):
         p, g, m, v = (t[b:e].float() for t in flat)
         count = torch.tensor(float(step - 1), device=p.device)  # fused AdamW counts it up to `step`
         _fused_adamw([p], [g], [m], [v], [], [count], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                      weight_decay=weight_decay, eps=eps, maximize=False)
-        word = random_words(sr_seed, sr_stream, step, sr_offset + b, e - b, p.device)
-        flat[0][b:e].copy_(round_sr(p, word & 0xFFFF))
-        flat[2][b:e].copy_(round_nearest(m))
-        flat[3][b:e].copy_(round_sr(v, word >> 16))
+        store_sr(p, m, v, flat[0][b:e], flat[2][b:e], flat[3][b:e], seed=sr_seed, stream=sr_stream, step=step,
+                 index=sr_offset + b, native=native)
 

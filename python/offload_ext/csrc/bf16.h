@@ -4,12 +4,28 @@
 
 #include <cstdint>
 
+// Scalar helpers marked for both sides where nvcc compiles them (the CUDA kernels share the rules).
+#if defined(__CUDACC__)
+#define OFFLOAD_EXT_HD __host__ __device__
+#else
+#define OFFLOAD_EXT_HD
+#endif
+
 namespace offload_ext {
 namespace {
 
-inline uint16_t bf16_round_bits(float x) {
+OFFLOAD_EXT_HD inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
   uint32_t u;
   __builtin_memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+OFFLOAD_EXT_HD inline uint16_t bf16_round_bits(float x) {
+  uint32_t u = float_bits(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16 does
   u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
   return static_cast<uint16_t>(u >> 16);

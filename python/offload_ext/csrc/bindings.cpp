@@ -13,6 +13,7 @@
 #include "cross_entropy.h"
 #include "engine.h"
 #include "step_scheduler.h"
+#include "sr_round.h"
 #include "sum_squares.h"
 #include "thread_pool.h"
 
@@ -77,6 +78,9 @@ TORCH_LIBRARY(offload_ext, m) {
       "cross_entropy_rows_backward(Tensor logits, Tensor lse, Tensor labels, Tensor grad, int ignore_index, "
       "Tensor(a!) grad_logits) -> ()");
   m.def("sum_squares(Tensor x) -> Tensor");
+  m.def(
+      "sr_round_bf16(Tensor param32, Tensor exp_avg32, Tensor exp_avg_sq32, Tensor(a!) param, Tensor(b!) exp_avg, "
+      "Tensor(c!) exp_avg_sq, int seed, int stream, int step, int offset) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
@@ -84,6 +88,7 @@ TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
   m.impl("cross_entropy_rows", &offload_ext::cross_entropy_rows_cpu);
   m.impl("cross_entropy_rows_backward", &offload_ext::cross_entropy_rows_backward_cpu);
   m.impl("sum_squares", &offload_ext::sum_squares_cpu);
+  m.impl("sr_round_bf16", &offload_ext::sr_round_bf16_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

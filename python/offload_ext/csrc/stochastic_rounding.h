@@ -1,6 +1,7 @@
 // Stochastic rounding to bf16 (precision "bf16-sr"): the rule and its random stream, defined here once.
-// The kernel (adamw_kernel.h) vectorises it; offload_ext/stochastic_rounding.py is the same rule in
-// integer torch ops, bit for bit. Internal linkage, as bf16.h: each ISA's translation unit has its copy.
+// The kernel (adamw_kernel.h) vectorises it; the sr_round_bf16 op (sr_round.cpp, sr_round_cuda.cu) applies
+// it per element from fp32 results, on the CPU and on CUDA; offload_ext/stochastic_rounding.py is the same
+// rule in integer torch ops, bit for bit. Internal linkage, as bf16.h: each ISA's translation unit has its copy.
 //
 // The rule. x is the fp32 result of the AdamW update, the same fp32 arithmetic as "bf16" (adamw_update).
 // param and exp_avg_sq are stored as (bits(x) + r) >> 16 with r a uniform integer in [0, 65536): x moves
@@ -31,10 +32,12 @@
 
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace offload_ext {
 namespace {
 
-inline uint64_t sr_mix64(uint64_t z) {
+OFFLOAD_EXT_HD inline uint64_t sr_mix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -42,7 +45,7 @@ inline uint64_t sr_mix64(uint64_t z) {
 }
 
 // K of the rule for the elements whose index >> 32 is `high`.
-inline uint64_t sr_key(uint64_t seed, uint64_t stream, int64_t step, uint64_t high) {
+OFFLOAD_EXT_HD inline uint64_t sr_key(uint64_t seed, uint64_t stream, int64_t step, uint64_t high) {
   return sr_mix64(sr_mix64(sr_mix64(sr_mix64(seed) ^ stream) ^ static_cast<uint64_t>(step)) ^ high);
 }
 
@@ -56,12 +59,29 @@ inline typename V::I sr_hash32(typename V::I x) {
   return V::ixor(x, V::template shr<16>(x));
 }
 
+// hash32 of the rule on one word: sr_hash32's lanes one at a time.
+OFFLOAD_EXT_HD inline uint32_t sr_hash32_word(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
 // The rule's rounding of one float with r in [0, 65536).
-inline uint16_t bf16_sr_bits(float x, uint32_t r) {
-  uint32_t u;
-  __builtin_memcpy(&u, &x, sizeof(u));
+OFFLOAD_EXT_HD inline uint16_t bf16_sr_bits(float x, uint32_t r) {
+  const uint32_t u = float_bits(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   return static_cast<uint16_t>((u + r) >> 16);
+}
+
+// One element's stores under the rule, from the fp32 results of its AdamW update and its word A (the
+// element's index i in its stream: A = sr_hash32_word(uint32(i) + uint32(K))).
+OFFLOAD_EXT_HD inline void sr_store(float param, float exp_avg, float exp_avg_sq, uint32_t word, uint16_t* param_out,
+                                    uint16_t* exp_avg_out, uint16_t* exp_avg_sq_out) {
+  *param_out = bf16_sr_bits(param, word & 0xffffu);
+  *exp_avg_out = bf16_round_bits(exp_avg);
+  *exp_avg_sq_out = bf16_sr_bits(exp_avg_sq, word >> 16);
 }
 
 }  // namespace
