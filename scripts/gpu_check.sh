@@ -165,7 +165,8 @@ for step in "${steps[@]}"; do
       [ -n "${SCRATCH_TIMEOUT:-}" ] && timed=(timeout -s INT "$SCRATCH_TIMEOUT" "${timed[@]}")
       OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b "${timed[@]}" offload-train --model llama-8b --device cuda --steps 2 \
         --batch-size 1 --seq-len 4096 --out /tmp/run_8b
-      cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl" ;;
+      cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl"
+      rm -rf /tmp/run_8b ;;  # its checkpoint (up to 48 GB, partial when cut) would leave no disk for `load`
     train-qwen)  # issue 12: the Qwen2.5-14B shape under the 24 GB cap, host memory logged
       run train_qwen python3 benchmarks/bench_train.py --preset qwen-14b --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --memory-log "$OUT/host_memory_qwen.log" --modes "${QWEN_MODES:-native-bf16}" ;;
