@@ -69,20 +69,30 @@ class GradPath:
         self.received: list[set[int]] = [set() for _ in part.units]  # per position: offsets landed this backward
         self.claimed: set[int] = set()  # positions whose buffer the compute stream may write this backward
         self.first_micro, self.last_micro = True, True  # without summing: every backward copies in and sends
+        self.handles: list[Any] = []  # the post-accumulate-grad hooks while registered
 
     def begin_micro(self, first: bool, last: bool) -> None:
-        """The coming backward is the first and/or the last micro-batch of its step (matters when summing)."""
+        """The coming backward is the first and/or the last micro-batch of its step (matters when summing).
+        Summing, a micro-batch before the last runs without the hooks: autograd adds each gradient into the
+        sum its .grad points at, and there is nothing to send; a .grad of its own (zero_grad() in between)
+        stays as autograd leaves it, and the last micro-batch's hook copies it in."""
         if self.summing:
             self.first_micro, self.last_micro = first, last
+            self.hook() if last else self.unhook()
 
-    def hook(self) -> list[Any]:
-        """Register the gradient hooks; returns their handles."""
-        handles = []
+    def hook(self) -> None:
+        """Register the gradient hooks (once)."""
+        if self.handles:
+            return
         for i, unit in enumerate(self.part.units):
             for s in unit.trainable_spans:
-                handles.append(s.param.register_post_accumulate_grad_hook(
+                self.handles.append(s.param.register_post_accumulate_grad_hook(
                     lambda p, i=i, s=s: self._on_grad(i, s, p)))
-        return handles
+
+    def unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def before_backward(self, i: int) -> None:
         """Position i's backward is about to run: its buffer claimed and zeroed and its .grads pointed into

@@ -155,7 +155,8 @@ class Offloader(torch.optim.Optimizer):
         self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
                                            self._hyper_dicts(), group_of, sr_seed)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
-        self._hooks = [h for path in self._grad_paths for h in path.hook()]
+        for path in self._grad_paths:
+            path.hook()
         for stack, ring, path in zip(self.layout.stacks, self._rings, self._grad_paths):
             for i, layer in enumerate(stack.layers):
                 wrap_layer(layer, _before_layer(ring, path, i), compile_layers)
@@ -393,8 +394,8 @@ class Offloader(torch.optim.Optimizer):
         self._settle()
         self._backend.close()
         weights = self.model_state_dict()
-        for h in self._hooks:
-            h.remove()
+        for path in self._grad_paths:
+            path.unhook()
         for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):
             unwrap_layer(layer)
         for name, p in self.model.named_parameters(remove_duplicate=False):
