@@ -140,6 +140,7 @@ for step in "${steps[@]}"; do
       for m in ${modes//,/ }; do
         run "plot_${shape}_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines_$shape/timeline_$m.json" \
           "$OUT/timeline_${shape}_$m.png" --title "${shape^^} $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+        run "timeline_stats_${shape}_$m" python3 benchmarks/timeline_stats.py "$OUT/timelines_$shape/timeline_$m.json"
       done ;;
     overhead)  # the launching thread's cost per layer: a 16-layer shape so small that the GPU does next to nothing
       run overhead python3 benchmarks/bench_train.py --stem train_tiny_overhead --layers 16 --hidden 256 --intermediate 512 \
