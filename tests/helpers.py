@@ -40,14 +40,16 @@ def to_bf16_params(model: nn.Module) -> nn.Module:
 
 def reference_training(base: nn.Module, data, precision: str, lr: float, wd: float, device: str = "cpu",
                        micro_batches: int = 1, max_grad_norm: float | None = None, norms: list | None = None,
-                       exact_clip: bool = False, fp32_norms: list | None = None, lr_lambda=None, group_of=None):
+                       exact_clip: bool = False, fp32_norms: list | None = None, lr_lambda=None, group_of=None,
+                       checkpointing: bool = True):
     """The same model trained without offload: torch's fused AdamW, fp32 masters in "mixed"; with
     micro_batches > 1, gradients accumulate in the params' .grad over that many batches per step.
     With max_grad_norm, `norms` collects each step's norm by the rule used (exact_clip: clip_grad_norm_'s
     rule summed in float64; else torch's clip_grad_norm_ on the bf16 grads), and `fp32_norms` torch's own
     total norm over fp32 copies of the same gradients, before clipping. `lr_lambda` drives a LambdaLR
     schedule stepped after every optimizer step. `group_of(name)` gives a parameter's hyperparameter
-    overrides (e.g. {"weight_decay": 0.0}): parameters with the same overrides share a torch param group."""
+    overrides (e.g. {"weight_decay": 0.0}): parameters with the same overrides share a torch param group.
+    `checkpointing`: HF's activation checkpointing on (as the Offloader's default) or off."""
     model = copy.deepcopy(base)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
     to_bf16_params(model).to(device)
@@ -63,7 +65,8 @@ def reference_training(base: nn.Module, data, precision: str, lr: float, wd: flo
     opt = torch.optim.AdamW([{"params": v, **dict(k)} for k, v in buckets.items()], lr=lr, weight_decay=wd,
                             fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
-    offload_ext.enable_activation_checkpointing(model)
+    if checkpointing:
+        offload_ext.enable_activation_checkpointing(model)
     losses = []
     for k, x in enumerate(data):
         x = x.to(device)

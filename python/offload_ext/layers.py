@@ -1,5 +1,6 @@
-"""Streamed layers' forward: activation checkpointing around a hook that binds the layer first, no KV
-cache written, and HF's own checkpointing paused meanwhile (new method names first, old as fallback)."""
+"""Streamed layers' forward: activation checkpointing (or a kept layer's saved-tensor hooks) around a hook
+that binds the layer first, no KV cache written, and HF's own checkpointing paused meanwhile (new method
+names first, old as fallback)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -7,6 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .kept_layers import SavedWeights, on_backward
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -22,9 +25,11 @@ def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool) -> None:
-    """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a checkpointed forward
-    that calls `before` first, also in the recompute."""
+def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool,
+               kept: tuple[SavedWeights, Callable[[], None]] | None = None) -> None:
+    """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a forward that calls `before`
+    first: checkpointed (`before` runs again in the recompute), or with `kept` = (the saved-tensor hooks,
+    what runs as its backward begins) keeping what it saves for backward (offload_ext.kept_layers)."""
     inner = layer.forward
     compiled = torch.compile(inner) if compile_layer else inner
 
@@ -33,10 +38,16 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
         return compiled(*args, **kwargs)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        kwargs = without_kv_cache(kwargs)
+        if kept is None:
             # Recompute is required: saved activations would point at buffers since refilled.
-            return checkpoint(run, *args, use_reentrant=False, **without_kv_cache(kwargs))
-        return run(*args, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        saved, enter = kept
+        saved.inputs(args, kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            return on_backward(run(*args, **kwargs), enter)
 
     layer.forward = forward
 

@@ -25,6 +25,7 @@ from .device_optimizer import DeviceOptimizer
 from .device_ring import DeviceRing
 from .grad_path import GradPath
 from .host_fill import fill_unit
+from .kept_layers import SavedWeights, auto_kept, check_checkpointing, checkpointed_count, device_budget
 from .layers import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
@@ -64,6 +65,15 @@ def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None
             path.before_backward(i)
     return before
 
+def _backward_entry(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
+    """What runs as a kept layer's backward begins (its checkpointed sibling's recompute does the same):
+    its weights bound again, the next one down prefetched, its gradient buffer made ready."""
+    def enter() -> None:
+        ring.before_layer(i, recompute=True)
+        path.before_backward(i)
+    return enter
+
+
 class Offloader(torch.optim.Optimizer):
     """Full CPU offload of a model's layer stacks for training on one device.
 
@@ -73,6 +83,12 @@ class Offloader(torch.optim.Optimizer):
     precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
     stochastic rounding drawn from `sr_seed`: see offload_ext.stochastic_rounding) or "mixed" (fp32 masters
     and moments).
+
+    activation_checkpointing: "all" (every streamed and resident layer recomputes in backward), "none", N
+    (the lowest N layers of each stack recompute, the rest keep their saved tensors) or "auto" (the first
+    step keeps the top layer and measures what it saves; from the second on, as many of the top layers are
+    kept as `gpu_memory_budget` bytes allow: on a GPU the process's peak, by default what it may allocate
+    less 5 % and 1 GiB; on the simulated device the kept layers' saved bytes). See offload_ext.kept_layers.
     """
 
     def __init__(
@@ -103,6 +119,8 @@ class Offloader(torch.optim.Optimizer):
         resident_layers: int = 0,
         weights: WeightSource | None = None,
         sr_seed: int = 0,
+        activation_checkpointing: str | int = "all",
+        gpu_memory_budget: int | None = None,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -119,6 +137,8 @@ class Offloader(torch.optim.Optimizer):
                             resident_layers=resident_layers)
         choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout
+        self._resident_per_stack = resident_layers
+        check_checkpointing(activation_checkpointing, self._stack_layers(), gpu_memory_budget, self.device)
         super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
@@ -157,12 +177,52 @@ class Offloader(torch.optim.Optimizer):
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         for path in self._grad_paths:
             path.hook()
-        for stack, ring, path in zip(self.layout.stacks, self._rings, self._grad_paths):
-            for i, layer in enumerate(stack.layers):
-                wrap_layer(layer, _before_layer(ring, path, i), compile_layers)
-        for layer in self.layout.resident:  # checkpointed as the streamed layers are, with nothing to fetch
-            wrap_layer(layer, lambda: None, compile_layers)
+        self._compile_layers = compile_layers
+        self._saved = SavedWeights(self._rings[:len(self.layout.stacks)])
+        self.activation_checkpointing = activation_checkpointing
+        self._budget = gpu_memory_budget
+        self.auto_choice: dict[str, int] | None = None  # "auto"'s measured choice, from the second step on
+        self._checkpointed = checkpointed_count(activation_checkpointing, self._stack_layers())
+        self._saved.measuring = activation_checkpointing == "auto"
+        self._wrap_layers()
         self._restart_rings()
+
+    def _stack_layers(self) -> int:
+        """The fewest layers a stack has, resident and streamed."""
+        return self._resident_per_stack + min(len(part.layers) for part in self.layout.stacks)
+
+    def _wrap_layers(self) -> None:
+        """Each stack's lowest `self._checkpointed` layers (resident ones first) recompute, the rest are kept."""
+        r = self._resident_per_stack
+        for k, (stack, ring, path) in enumerate(zip(self.layout.stacks, self._rings, self._grad_paths)):
+            for j, layer in enumerate(self.layout.resident[k * r:(k + 1) * r]):
+                unwrap_layer(layer)  # nothing to fetch: kept, their saved tensors need no reference either
+                wrap_layer(layer, lambda: None, self._compile_layers,
+                           None if j < self._checkpointed else (self._saved, lambda: None))
+            for i, layer in enumerate(stack.layers):
+                kept = None if r + i < self._checkpointed else (self._saved, _backward_entry(ring, path, i))
+                unwrap_layer(layer)
+                wrap_layer(layer, _before_layer(ring, path, i), self._compile_layers, kept)
+
+    @property
+    def kept_layers(self) -> int:
+        """How many layers of each stack run without recompute (their saved tensors kept until backward)."""
+        return self._stack_layers() - self._checkpointed
+
+    def _choose_kept(self) -> None:
+        """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
+        costing what the top layer saved in that step."""
+        self._saved.measuring = False
+        if self.device.type == "cuda":
+            budget = self._budget if self._budget is not None else device_budget(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # no allocator to ask: the budget is the kept layers' alone
+            budget, peak = self._budget, self._saved.saved_bytes
+        kept = auto_kept(self._stack_layers(), self._saved.saved_bytes, budget, peak)
+        self._checkpointed = self._stack_layers() - kept
+        self.auto_choice = {"kept_layers": kept, "saved_bytes_per_layer": self._saved.saved_bytes,
+                            "budget_bytes": budget, "first_step_peak_bytes": peak}
+        self._wrap_layers()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> Offloader:
@@ -259,6 +319,8 @@ class Offloader(torch.optim.Optimizer):
         self._device_opt.step(self._hyper_dicts())
         self._step += 1
         self._policy.end_step()
+        if self._saved.measuring:
+            self._choose_kept()
         self._restart_rings()
 
     @contextlib.contextmanager
@@ -385,7 +447,8 @@ class Offloader(torch.optim.Optimizer):
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
         return {"step": self._step, "last_step_wait_s": self.last_step_wait,
                 "host_wait_s": self._backend.wait_seconds(),
-                "layer_copies_h2d": sum(r.copies for r in self._rings), **setup, **self._backend.stats()}
+                "layer_copies_h2d": sum(r.copies for r in self._rings), "kept_layers": self.kept_layers,
+                **setup, **self._backend.stats()}
 
     def close(self) -> None:
         """Detach from the model: it becomes an ordinary module on the CPU holding its current weights."""
