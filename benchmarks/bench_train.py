@@ -17,8 +17,10 @@ default on the GPU when the sums fit). The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
 per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
-the adapters trained). Each offloaded mode's ratio is to the resident mode of the same recipe when the run
-has one.
+the adapters trained), ckptnone / ckptN / ckptauto (activation_checkpointing "none", N, "auto": layers
+kept without recompute; resident modes take ckptnone only, and ckptN / ckptauto are compared with the
+resident mode of full checkpointing). Each offloaded mode's ratio is to the resident mode of the same
+recipe when the run has one.
 The host busy column is the engine's stepping time per step; step minus busy is the time the host had
 nothing to step.
 
@@ -88,6 +90,7 @@ class Mode:
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
     lora: int | None = None        # LoRA rank
+    ckpt: str | int = "all"        # activation_checkpointing
 
     @classmethod
     def parse(cls, name: str) -> "Mode":
@@ -100,19 +103,25 @@ class Mode:
         clip = next((o for o in rest if o in CLIP_NORMS), None)
         accum = next((int(o[5:]) for o in rest if o.startswith("accum")), 1)
         lora = next((int(o[4:]) for o in rest if o.startswith("lora") and o[4:].isdigit()), None)
-        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith(("accum", "lora")))
-        if backend == "deepspeed" and (options or lora or precision not in _deepspeed.PRECISIONS):
+        ckpt = next((o[4:] for o in rest if o.startswith("ckpt")), "all")
+        ckpt = int(ckpt) if ckpt.isdigit() else ckpt
+        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith(("accum", "lora", "ckpt")))
+        if backend == "deepspeed" and (options or lora or ckpt != "all" or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
                              "and the clip and accum suffixes only")
-        return cls(name, backend, precision, options, clip, accum, lora)
+        if backend == "resident" and ckpt not in ("all", "none"):
+            raise SystemExit(f"bench_train: mode {name!r}: resident modes checkpoint every layer or none (ckptnone)")
+        return cls(name, backend, precision, options, clip, accum, lora, ckpt)
 
     def option(self, prefix: str) -> int | None:
         return next((int(o[len(prefix):]) for o in self.options if o.startswith(prefix) and o[len(prefix):].isdigit()),
                     None)
 
     @property
-    def recipe(self) -> tuple[str | None, int, int | None]:
-        return self.clip, self.accum, self.lora
+    def recipe(self) -> tuple[str | None, int, int | None, str]:
+        """What a resident peer must share: ckptN and ckptauto are compared with full checkpointing, what
+        resident training has to do where the offloaded run keeps layers with the memory offload frees."""
+        return self.clip, self.accum, self.lora, "none" if self.ckpt == "none" else "all"
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -220,7 +229,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         torch.cuda.set_per_process_memory_fraction(1.0 if mode.backend == "resident" else min(1.0, cap))
     if mode.backend == "resident":
         model.to(a.device)
-        offload_ext.enable_activation_checkpointing(model)
+        if mode.ckpt == "all":
+            offload_ext.enable_activation_checkpointing(model)
         if a.compile:
             for layer in model.model.layers:
                 layer.compile()
@@ -244,7 +254,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
                                 speculative_clip="nospec" not in mode.options,
                                 accumulate_on_device=False if "hostsum" in mode.options else None,
-                                resident_layers=mode.option("r") or 0, weights=weights)
+                                resident_layers=mode.option("r") or 0, weights=weights,
+                                activation_checkpointing=mode.ckpt)
     return model, off, None
 
 
@@ -417,7 +428,7 @@ def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]
     """Each DeepSpeed mode's step time over the plain native mode of the same precision and recipe
     (deepspeed-bf16-clip over native-bf16-clip), where both ran; sets the ratio in the DeepSpeed row."""
     natives = {(m.precision, m.recipe): r for m, r in zip(modes, rows)
-               if m.backend == "native" and not m.options and "error" not in r}
+               if m.backend == "native" and not m.options and m.ckpt == "all" and "error" not in r}
     pairs = []
     for m, r in zip(modes, rows):
         peer = natives.get((m.precision, m.recipe))
@@ -452,7 +463,7 @@ def main() -> None:
     if memory:
         memory.close()
     residents = {m.recipe: r for m, r in zip(modes, rows) if m.backend == "resident"}
-    resident = residents.get((None, 1))
+    resident = residents.get((None, 1, None, "all"))
     lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "
              "set-up s | GPU peak GB | steps clipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_table_line(r, residents.get(m.recipe)) for m, r in zip(modes, rows)]

@@ -2,8 +2,9 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept (default: build test
 # adamw train).
+# KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
 # $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes (resident ones too), TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
@@ -124,6 +125,11 @@ for step in "${steps[@]}"; do
       recipes+=,native-bf16-r4-clipall,native-mixed-r4-clipall
       run train_recipes python3 benchmarks/bench_train.py --stem train_b1_recipes --modes \
         "${RECIPE_MODES:-$recipes}${RECIPE_EXTRA:+,$RECIPE_EXTRA}" ;;
+    train-kept)  # issue 13: B1 without recompute beside resident without checkpointing; auto and all under 24 GB
+      run train_kept python3 benchmarks/bench_train.py --stem train_b1_kept --modes \
+        "${KEPT_MODES:-resident,resident-ckptnone,native-bf16,native-bf16-ckptnone}"
+      run train_kept_capped python3 benchmarks/bench_train.py --stem train_b1_kept_24gb --gpu-cap-gb 24 --modes \
+        "${KEPT_CAPPED_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-ckpt8}" ;;
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
         --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16,native-bf16-clip,native-bf16-clipall}" ;;

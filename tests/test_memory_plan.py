@@ -17,7 +17,7 @@ from offload_ext import testing, train
 from offload_ext.backends.native import NativeBackend
 from offload_ext.backends.python import PythonBackend
 from offload_ext.losses import lm_head_loss
-from offload_ext.memory_plan import Shape, layer_activation_bytes, loss_rows
+from offload_ext.memory_plan import Shape, kept_layer_bytes, layer_activation_bytes, loss_rows
 
 HOST_KNOBS = [dict(), dict(precision="mixed"), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, precision="mixed"),
               dict(max_grad_norm=1.0, speculative_clip=False), dict(grad_accum=2),
@@ -231,6 +231,36 @@ def _shape_config(name: str):
                            num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False)
     return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False)
+
+
+@pytest.mark.parametrize("arch,hidden,inter,heads,kv,batch,seq", [
+    ("llama", 256, 688, 8, 4, 2, 256), ("llama", 128, 352, 4, 1, 3, 64), ("qwen2", 320, 864, 5, 1, 1, 96)])
+def test_a_kept_layers_term_is_what_auto_measures_it_saves(arch, hidden, inter, heads, kv, batch, seq) -> None:
+    # What "auto" counts as a kept layer's saved tensors beyond its input in the first step, to the byte.
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    torch.manual_seed(0)
+    model = model_cls(config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                             num_key_value_heads=kv, num_hidden_layers=2, vocab_size=100))
+    off = offload_ext.Offloader(model, device="cpu", backend="native", activation_checkpointing="auto",
+                                gpu_memory_budget=1)
+    off.backward(offload_ext.causal_lm_loss(model, torch.randint(0, 100, (batch, seq))))
+    off.step()
+    measured = off.auto_choice["saved_bytes_per_layer"]
+    off.close()
+    assert kept_layer_bytes(Shape.of(model), batch, seq) == measured
+
+
+def test_the_plan_counts_kept_layers_saved_tensors_instead_of_their_inputs() -> None:
+    config = _shape_config("b1")
+    plans = {spec: offload_ext.plan(config, batch_size=4, seq_len=2048, gpu_memory="139GiB", host_memory="125GB",
+                                    activation_checkpointing=spec) for spec in ("all", "none", 10, "auto")}
+    shape, tokens = Shape(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256), 4 * 2048
+    kept = kept_layer_bytes(shape, 4, 2048) - 2 * tokens * shape.hidden  # each kept layer: its saved, not its input
+    loss = {spec: plans[spec].gpu.phase_bytes("loss") for spec in plans}
+    assert loss["none"] - loss["all"] == 16 * kept and loss[10] - loss["all"] == 6 * kept
+    assert loss["auto"] == loss["all"]  # auto keeps what its budget holds at run time: planned as "all"
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

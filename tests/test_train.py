@@ -170,9 +170,23 @@ def test_native_loss_without_the_extension_and_a_zero_loss_chunk_are_clear_error
            "--loss-backend native: lm_head_loss: backend='native' needs the extension's cross-entropy kernels", capsys)
 
 
-def test_offload_refuses_training_without_activation_checkpointing(tmp_path, capsys) -> None:
-    _fails(["--out", str(tmp_path), "--device", "cpu-sim", "--no-activation-checkpointing", *FAST],
-           "the offload engine needs activation checkpointing", capsys)
+@pytest.mark.parametrize("flags, kept", [
+    (["--activation-checkpointing", "none"], 4), (["--activation-checkpointing", "1"], 3),
+    (["--activation-checkpointing", "auto", "--gpu-memory-budget", "100KB"], 0),  # a tiny layer saves ~360 KB
+    (["--activation-checkpointing", "auto", "--gpu-memory-budget", "1GB"], 4)])
+def test_offload_without_recompute_trains_the_same_losses(tmp_path, flags, kept) -> None:
+    runs = {}
+    for name, extra in (("all", []), ("kept", flags)):
+        out = str(tmp_path / name)
+        train.run(train.parse_args(["--out", out, "--device", "cpu-sim", *extra, *FAST]))
+        runs[name] = _metrics(out)
+    assert [r["loss"] for r in runs["kept"]] == [r["loss"] for r in runs["all"]]
+    assert runs["all"][0]["kept_layers"] == 0 and runs["kept"][-1]["kept_layers"] == kept  # tiny: 4 layers
+
+
+def test_partial_checkpointing_without_offload_is_refused(tmp_path, capsys) -> None:
+    _fails(["--out", str(tmp_path), "--backend", "none", "--activation-checkpointing", "auto", *FAST],
+           "--activation-checkpointing auto: without offload, HF checkpoints every layer or none", capsys)
 
 
 def test_clipping_with_offload_logs_the_gradient_norm(tmp_path) -> None:

@@ -28,6 +28,7 @@ from .backends.sizes import (
     python_host_need,
 )
 from .grad_path import sums_on_device
+from .kept_layers import checkpointed_count
 from .layout import GroupOf, Layout, hedged_units, plan_layout, speculative_units
 from .step_policy import StepPolicy
 
@@ -180,6 +181,17 @@ def layer_activation_bytes(shape: Shape, tokens: int, largest_param: int) -> int
             + 4 * t * shape.heads + 8 * t)
 
 
+def kept_layer_bytes(shape: Shape, batch: int, seq: int) -> int:
+    """Bytes a Llama-style decoder layer run without recompute saves for its backward beyond its input (what
+    activation_checkpointing keeps per kept layer), measured on the simulated device by "auto"'s count
+    (tests/test_memory_plan.py): per token 20 bytes per hidden unit (the norms' fp32 inputs and normalised
+    values, their bf16 outputs, q, the attention output, the projections' inputs), 8 per intermediate unit
+    (gate, silu(gate), up, their product), k and v (2 bytes each per kv unit), the attention's log-sum-exp
+    (fp32 per head) and the norms' rsqrt; per position the rotary cos and sin (bf16, shared by the batch)."""
+    t, h, i = batch * seq, shape.hidden, shape.intermediate
+    return t * (20 * h + 8 * i + 4 * shape.kv_heads * shape.head_dim + 4 * shape.heads + 8) + 4 * shape.head_dim * seq
+
+
 def loss_rows(shape: Shape, batch: int, seq: int, chunk_tokens: int, native: bool,
               head_grad: int) -> list[tuple[str, int]]:
     """The loss's peak (losses.lm_head_loss) on top of the checkpointed inputs: the final norm's saved
@@ -217,10 +229,13 @@ class DeviceFacts:
     ring_layers: int         # layer buffers per stack
     checkpointed: int        # layers whose input is kept through forward (streamed and resident)
     largest_param: int       # numel of the largest trainable parameter inside a layer
+    kept: int = 0            # layers run without recompute, their saved tensors kept (kept_layer_bytes each)
 
     @classmethod
-    def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False) -> DeviceFacts:
-        """`frozen`: as if every parameter were frozen (LoRA's base, its adapters not counted)."""
+    def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False,
+           kept_per_stack: int = 0) -> DeviceFacts:
+        """`frozen`: as if every parameter were frozen (LoRA's base, its adapters not counted); `kept_per_stack`:
+        the top layers of each stack that run without recompute."""
         layout = choices.layout
         trains = (lambda p: False) if frozen else (lambda p: p.requires_grad)
         resident = {id(p) for layer in layout.resident for p in layer.parameters()}
@@ -241,12 +256,14 @@ class DeviceFacts:
                      else 2 * min(2, buffers) * max(1, max(trainable)))
         streamed = [s.param for part in layout.stacks for u in part.units for s in u.spans]
         largest_param = max((p.numel() for p in (*streamed, *kept) if trains(p)), default=0)
+        no_recompute = kept_per_stack * len(layout.stacks)
         return cls(sum(p.numel() for p in outer), sum(p.numel() for p in outer if trains(p)),
                    sum(p.numel() for p in kept), sum(p.numel() for p in kept if trains(p)),
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
                    ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   sum(len(p.layers) for p in layout.stacks) + len(layout.resident), largest_param)
+                   sum(len(p.layers) for p in layout.stacks) + len(layout.resident) - no_recompute, largest_param,
+                   no_recompute)
 
 
 def _state_bytes(precision: str) -> int:
@@ -293,10 +310,10 @@ Rows = tuple[tuple[str, int], ...]
 
 def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, device_layers: int, cuda: bool,
                  batch: int | None = None, seq: int | None = None, chunk_tokens: int = 4096,
-                 native_loss: bool = True, frozen: bool = False) -> GpuEstimate:
+                 native_loss: bool = True, frozen: bool = False, kept_per_stack: int = 0) -> GpuEstimate:
     """Device memory of the Offloader with these choices; with `batch` and `seq`, of training on that batch
-    (each backward's micro-batch) too."""
-    f = DeviceFacts.of(model, choices, device_layers, frozen)
+    (each backward's micro-batch) too; `kept_per_stack` top layers of each stack run without recompute."""
+    f = DeviceFacts.of(model, choices, device_layers, frozen, kept_per_stack)
     state = _state_bytes(precision)
     kind = " (fp32 masters, moments)" if precision == "mixed" else " (bf16 moments)"
     static = [("params outside the stacks (bf16)", 2 * f.outer),
@@ -353,11 +370,12 @@ def _backward_phases(f: DeviceFacts, shape: Shape, batch: int, seq: int, chunk_t
     the parameters outside the stacks persist through the later micro-batches of an accumulation."""
     tokens = batch * seq
     ckpt = ("checkpointed layer inputs", 2 * f.checkpointed * tokens * shape.hidden)
+    kept = ("kept layers' saved tensors", f.kept * kept_layer_bytes(shape, batch, seq))
     all_grads = 2 * (f.outer_trainable + f.resident_trainable)
-    layer = (ckpt, ("one layer's recompute and backward", layer_activation_bytes(shape, tokens, f.largest_param)),
+    layer = (ckpt, kept, ("one layer's recompute and backward", layer_activation_bytes(shape, tokens, f.largest_param)),
              ("the gradient of its output", 2 * tokens * shape.hidden),
              ("gradients of the head's side", _held_grads(f, accumulating)))
-    loss = (ckpt, *loss_rows(shape, batch, seq, chunk_tokens, native_loss, f.head_grad),
+    loss = (ckpt, kept, *loss_rows(shape, batch, seq, chunk_tokens, native_loss, f.head_grad),
             ("gradients held from earlier micro-batches", all_grads if accumulating else 0))
     return [("layer backward", layer), ("loss", loss)]
 
@@ -383,6 +401,7 @@ class Settings:
     seq_len: int | None = None
     loss_chunk_tokens: int = 4096
     loss_backend: str = "auto"
+    activation_checkpointing: str | int = "all"  # "auto" is planned as "all": it keeps what its budget holds
 
 
 @dataclass(frozen=True)
@@ -436,7 +455,14 @@ def evaluate(model: nn.Module, settings: Settings, machine: Machine, group_of: G
 def _gpu_at(model: nn.Module, s: Settings, choices: EngineChoices, machine: Machine, batch: int | None,
             seq: int | None, frozen: bool = False) -> GpuEstimate:
     return gpu_estimate(model, choices, s.precision, s.device_layers, machine.cuda, batch, seq, s.loss_chunk_tokens,
-                        _native_loss(s, machine), frozen)
+                        _native_loss(s, machine), frozen, kept_per_stack(s, choices))
+
+
+def kept_per_stack(s: Settings, choices: EngineChoices) -> int:
+    """The layers of each stack the plan counts as kept ("auto": none, as "all")."""
+    spec = "all" if s.activation_checkpointing == "auto" else s.activation_checkpointing
+    layers = s.resident_layers + min((len(part.layers) for part in choices.layout.stacks), default=0)
+    return layers - checkpointed_count(spec, layers)
 
 
 def _largest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 from .backends import sizes as host_sizes
 from .backends.sizes import parse_size
 from .grad_path import device_free_bytes
+from .kept_layers import check_checkpointing
 from .layout import GroupOf
 from .memory_plan import (
     CUDA_CONTEXT,
@@ -37,6 +38,7 @@ from .memory_plan import (
 )
 from .options import Options, check_hyper, resolve_device
 from .param_groups import build_groups
+from .stacks import find_layer_stacks
 
 _GB = 1e9
 
@@ -349,7 +351,8 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
          loss_chunk_tokens: int = 4096, loss_backend: str = "auto", lora_r: int | None = None,
          lora_alpha: float | None = None, lora_targets: Sequence[str] = ("q_proj", "v_proj"),
          host_memory: int | str | None = None, gpu_memory: int | str | None = None,
-         sr_seed: int = 0) -> MemoryPlan:
+         sr_seed: int = 0, activation_checkpointing: str | int = "all",
+         gpu_memory_budget: int | None = None) -> MemoryPlan:
     """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
     those that do not change memory are checked and accepted so the same keywords can be passed), trained
     on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,
@@ -368,7 +371,10 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
                         offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                         speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
                         resident_layers=resident_layers, batch_size=batch_size, seq_len=seq_len,
-                        loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend)
+                        loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend,
+                        activation_checkpointing=activation_checkpointing)
+    layers = resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
+    check_checkpointing(activation_checkpointing, layers, gpu_memory_budget, torch.device(device))
     return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)
 
 

@@ -38,6 +38,11 @@ from .trainer import Trainer, offloader_kwargs
 from .weights import from_config_empty
 
 
+def _checkpointing(value: str) -> str | int:
+    """--activation-checkpointing's value: a name, or a number of layers."""
+    return int(value) if value.isdigit() else value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="offload-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,7 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also keep the embeddings, final norm and head's grads and optimizer state on the host")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or cpu-sim (offload engine on the "
                                                      "simulated device); auto = cuda if available, else cpu")
-    ap.add_argument("--no-activation-checkpointing", dest="checkpointing", action="store_false")
+    ap.add_argument("--activation-checkpointing", default="all", type=_checkpointing, metavar="all|none|auto|N",
+                    help="all: every layer recomputes in backward; none: none does; N: the lowest N of each stack do "
+                         "(offload keeps the rest's saved tensors); auto (offload): as many top layers kept as "
+                         "--gpu-memory-budget holds, measured in the first step")
+    ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
+                    const="none", help="the same as --activation-checkpointing none")
+    ap.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
+                    help="--activation-checkpointing auto: the GPU peak it may reach (e.g. 20GB; default what the "
+                         "process may allocate, less 5 %% and 1 GiB; needed with --device cpu-sim)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
     ap.add_argument("--loss-backend", choices=BACKENDS, default="auto",
                     help="cross-entropy of the loss: the extension's kernels (native), torch's, or auto "
@@ -286,6 +299,8 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                     row["grad_norm"] = trainer.last_grad_norm
                 if trainer.last_clip_action is not None:
                     row["clip"] = trainer.last_clip_action
+                if trainer.off is not None:
+                    row["kept_layers"] = trainer.off.kept_layers  # layers per stack run without recompute
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")

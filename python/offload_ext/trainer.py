@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from .backends.sizes import parse_size
 from .layers import enable_activation_checkpointing
 from .lora import is_adapter
 from .losses import causal_lm_loss
@@ -33,7 +34,8 @@ def offloader_kwargs(args: argparse.Namespace, device: torch.device,
                 max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
                 resident_layers=args.resident_layers, device_layers=args.device_layers, weights=weights,
-                sr_seed=args.seed)
+                sr_seed=args.seed, activation_checkpointing=args.activation_checkpointing,
+                gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None)
 
 
 def lr_factor(args: argparse.Namespace, step: int) -> float:
@@ -69,9 +71,6 @@ class Trainer:
         if a.device == "cpu":
             raise UsageError("--device cpu trains without offload (--backend none); use --device cpu-sim to run the "
                              "offload engine on the simulated device")
-        if not a.checkpointing:
-            raise UsageError("--no-activation-checkpointing: the offload engine needs activation checkpointing "
-                             "(saved activations would point at refilled layer buffers); use --backend none")
 
     def _plain_setup(self, simulated: bool) -> None:
         a, model = self.args, self.model
@@ -82,7 +81,11 @@ class Trainer:
         for p in model.parameters():
             p.data = p.data.to(self.device, torch.bfloat16)
         model.to(self.device)
-        if a.checkpointing:
+        if a.activation_checkpointing not in ("all", "none"):
+            raise UsageError(f"--activation-checkpointing {a.activation_checkpointing}: without offload, HF "
+                             "checkpoints every layer or none: use all or none, or an offload backend (--backend "
+                             "native)")
+        if a.activation_checkpointing == "all":
             enable_activation_checkpointing(model)
         if a.compile:
             for layer in model.model.layers:
