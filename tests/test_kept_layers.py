@@ -115,6 +115,17 @@ def test_auto_measures_what_a_kept_layer_saves_beyond_its_input() -> None:
     assert a > 10 * 2 * 32 * 64, a
 
 
+def test_auto_measures_one_micro_batch_of_an_accumulated_step() -> None:
+    data = batches(2)
+    measured = []
+    for grad_accum in (1, 2):
+        _, _, off = _train(tiny_llama(layers=4), data[:grad_accum], backend="native", grad_accum=grad_accum,
+                           activation_checkpointing="auto", gpu_memory_budget=1)
+        measured.append(off.auto_choice["saved_bytes_per_layer"])
+        off.close()
+    assert measured[0] == measured[1] > 0
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(activation_checkpointing="some"), r"activation_checkpointing must be one of \('all', 'none', 'auto'\)"),
     (dict(activation_checkpointing=True), r"activation_checkpointing must be one of"),

@@ -219,3 +219,18 @@ def test_kept_layers_loss_curves_match_gpu_resident_training_without_checkpointi
     for ours, theirs in zip(losses, ref):
         assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_what_auto_measures_a_kept_layer_saves_on_the_gpu_is_the_plans_term() -> None:
+    # The plan's kept-layer term comes from the simulated device, where it is exact; on the GPU SDPA's kernels
+    # save their own tensors: within the plan's tenth.
+    from offload_ext.memory_plan import Shape, kept_layer_bytes
+
+    model = small_llama()
+    off = offload_ext.Offloader(model, lr=0.0, backend="native", device="cuda", activation_checkpointing="auto")
+    batch = repeating_batches(1)[0].cuda()
+    off.backward(offload_ext.causal_lm_loss(model, batch))
+    off.step()
+    measured = off.auto_choice["saved_bytes_per_layer"]
+    off.close()
+    assert measured == pytest.approx(kept_layer_bytes(Shape.of(model), *batch.shape), rel=0.10), measured

@@ -211,8 +211,7 @@ class Offloader(torch.optim.Optimizer):
 
     def _choose_kept(self) -> None:
         """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
-        costing what the top layer saved in that step."""
-        self._saved.measuring = False
+        costing what the top layer saved in that step's first forward."""
         if self.device.type == "cuda":
             budget = self._budget if self._budget is not None else device_budget(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -290,6 +289,7 @@ class Offloader(torch.optim.Optimizer):
         """
         self._check_open()
         hypers = self._hypers()
+        self._saved.measuring = False  # "auto" counts what the first micro-batch's forward saved
         self._policy.begin_backward(self._backend)
         for path in self._grad_paths:
             path.begin_micro(first=self._policy.micro == 1, last=self._policy.micro == self._policy.grad_accum)
@@ -319,7 +319,7 @@ class Offloader(torch.optim.Optimizer):
         self._device_opt.step(self._hyper_dicts())
         self._step += 1
         self._policy.end_step()
-        if self._saved.measuring:
+        if self.activation_checkpointing == "auto" and self.auto_choice is None:
             self._choose_kept()
         self._restart_rings()
 
