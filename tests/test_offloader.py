@@ -422,9 +422,10 @@ def test_fewer_than_two_device_layers_are_refused() -> None:
         offload_ext.Offloader(tiny_llama(layers=2), device="cpu", device_layers=1)
 
 
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])  # GPT-2's blocks take the cache positionally
 @pytest.mark.parametrize("backend", ["python", "native"])
-def test_training_forward_writes_no_kv_cache_so_recompute_sees_the_same_keys(backend) -> None:
-    model = tiny_llama(layers=2)
+def test_training_forward_writes_no_kv_cache_so_recompute_sees_the_same_keys(backend, make) -> None:
+    model = make(layers=2)
     assert model.config.use_cache  # HF would build and fill a cache in this forward
     off = offload_ext.Offloader(model, backend=backend, device="cpu")
     x = batches(1)[0]
@@ -432,6 +433,7 @@ def test_training_forward_writes_no_kv_cache_so_recompute_sees_the_same_keys(bac
     cache = getattr(out, "past_key_values", None)
     assert cache is None or cache.get_seq_length() == 0
     off.backward(out.loss)
+    assert cache is None or cache.get_seq_length() == 0  # nor in the recompute
     off.step()
     off.close()
 

@@ -9,27 +9,39 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activation_offload import HostActivations, Key, offloadable, offloaded_checkpoint
 from .kept_layers import SavedWeights, on_backward
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _is_cache(value: Any) -> bool:
+    """A transformers KV cache object (duck-typed: no import of transformers here)."""
+    return hasattr(value, "update") and hasattr(value, "get_seq_length")
+
+
+def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A checkpointed layer must not write a KV cache: its recompute would append the same keys again
-    (and a training step has no use for the cache). HF's own checkpointing drops it the same way."""
+    (and a training step has no use for the cache). HF's own checkpointing drops it the same way; GPT-2's
+    blocks take it positionally."""
+    if any(_is_cache(a) for a in args):
+        args = tuple(None if _is_cache(a) else a for a in args)
     if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
-        return kwargs
+        return args, kwargs
     kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
-    return kwargs
+    return args, kwargs
 
 
 def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool,
-               kept: tuple[SavedWeights, Callable[[], None]] | None = None) -> None:
+               kept: tuple[SavedWeights, Callable[[], None]] | None = None,
+               host: tuple[HostActivations, Key, Key | None] | None = None) -> None:
     """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a forward that calls `before`
-    first: checkpointed (`before` runs again in the recompute), or with `kept` = (the saved-tensor hooks,
-    what runs as its backward begins) keeping what it saves for backward (offload_ext.kept_layers)."""
+    first: checkpointed (`before` runs again in the recompute; with `host` = (the host slots, this layer's key,
+    the key of the layer below) its input held on the host meanwhile, offload_ext.activation_offload), or with
+    `kept` = (the saved-tensor hooks, what runs as its backward begins) keeping what it saves for backward
+    (offload_ext.kept_layers)."""
     inner = layer.forward
     compiled = torch.compile(inner) if compile_layer else inner
 
@@ -40,9 +52,11 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        kwargs = without_kv_cache(kwargs)
+        args, kwargs = without_kv_cache(args, kwargs)
         if kept is None:
             # Recompute is required: saved activations would point at buffers since refilled.
+            if host is not None and offloadable(args, kwargs):
+                return offloaded_checkpoint(*host, run, args, kwargs)
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
         saved, enter = kept
         saved.inputs(args, kwargs)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activation_offload import HostActivations, Key
 from .backends import Backend, Hyper, LayerBuffers, make_backend
 from .checkpoint import SafetensorsCheckpoint, write_safetensors
 from .device_optimizer import DeviceOptimizer
@@ -89,6 +90,8 @@ class Offloader(torch.optim.Optimizer):
     step keeps the top layer and measures what it saves; from the second on, as many of the top layers are
     kept as `gpu_memory_budget` bytes allow: on a GPU the process's peak, by default what it may allocate
     less 5 % and 1 GiB; on the simulated device the kept layers' saved bytes). See offload_ext.kept_layers.
+    activation_offload: the input each checkpointed layer keeps waits in pinned host memory between its
+    forward and its backward (offload_ext.activation_offload).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class Offloader(torch.optim.Optimizer):
         sr_seed: int = 0,
         activation_checkpointing: str | int = "all",
         gpu_memory_budget: int | None = None,
+        activation_offload: bool = False,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -179,6 +183,7 @@ class Offloader(torch.optim.Optimizer):
             path.hook()
         self._compile_layers = compile_layers
         self._saved = SavedWeights(self._rings[:len(self.layout.stacks)])
+        self._host_activations = HostActivations(self.device) if activation_offload else None
         self.activation_checkpointing = activation_checkpointing
         self._budget = gpu_memory_budget
         self.auto_choice: dict[str, int] | None = None  # "auto"'s measured choice, from the second step on
@@ -198,11 +203,17 @@ class Offloader(torch.optim.Optimizer):
             for j, layer in enumerate(self.layout.resident[k * r:(k + 1) * r]):
                 unwrap_layer(layer)  # nothing to fetch: kept, their saved tensors need no reference either
                 wrap_layer(layer, lambda: None, self._compile_layers,
-                           None if j < self._checkpointed else (self._saved, lambda: None))
+                           None if j < self._checkpointed else (self._saved, lambda: None), self._host_slot(k, j))
             for i, layer in enumerate(stack.layers):
                 kept = None if r + i < self._checkpointed else (self._saved, _backward_entry(ring, path, i))
                 unwrap_layer(layer)
-                wrap_layer(layer, _before_layer(ring, path, i), self._compile_layers, kept)
+                wrap_layer(layer, _before_layer(ring, path, i), self._compile_layers, kept, self._host_slot(k, r + i))
+
+    def _host_slot(self, stack: int, position: int) -> tuple[HostActivations, Key, Key | None] | None:
+        """With activation_offload, where a checkpointed layer's input waits: its key, and the layer below's."""
+        if self._host_activations is None or position >= self._checkpointed:
+            return None
+        return self._host_activations, (stack, position), (stack, position - 1) if position else None
 
     @property
     def kept_layers(self) -> int:
