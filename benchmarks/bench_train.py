@@ -12,8 +12,8 @@ bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
 threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
 the GPU), whole for host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
-speculative_clip=False, hostsum for accumulate_on_device=False (micro-batches summed on the host; by
-default on the GPU when the sums fit). The recipe suffixes, on
+speculative_clip=False, aoff for activation_offload=True, hostsum for accumulate_on_device=False
+(micro-batches summed on the host; by default on the GPU when the sums fit). The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
 per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
@@ -86,7 +86,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, rN, whole, sync, nospec, hostsum
+    options: tuple[str, ...] = ()  # tN, gN, dN, rN, whole, sync, nospec, aoff, hostsum
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
     lora: int | None = None        # LoRA rank
@@ -137,6 +137,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="the model class (qwen-14b: qwen2)")
     ap.add_argument("--gpu-cap-gb", type=float, default=None,
                     help="cap the offloaded modes' GPU memory (resident modes run uncapped)")
+    ap.add_argument("--cap-resident", action="store_true",
+                    help="cap the resident modes too (to show what does not fit without offload: the row says why)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the simulated device, for a smoke run of the script itself (timings mean nothing)")
     ap.add_argument("--trace", default=None, metavar="DIR",
@@ -226,7 +228,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         _materialize(model, weights)
     if a.device == "cuda":
         cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
-        torch.cuda.set_per_process_memory_fraction(1.0 if mode.backend == "resident" else min(1.0, cap))
+        uncapped = mode.backend == "resident" and not a.cap_resident
+        torch.cuda.set_per_process_memory_fraction(1.0 if uncapped else min(1.0, cap))
     if mode.backend == "resident":
         model.to(a.device)
         if mode.ckpt == "all":
@@ -255,7 +258,7 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 speculative_clip="nospec" not in mode.options,
                                 accumulate_on_device=False if "hostsum" in mode.options else None,
                                 resident_layers=mode.option("r") or 0, weights=weights,
-                                activation_checkpointing=mode.ckpt)
+                                activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options)
     return model, off, None
 
 

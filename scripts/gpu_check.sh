@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-long (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap).
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -130,6 +130,12 @@ for step in "${steps[@]}"; do
         "${KEPT_MODES:-resident,resident-ckptnone,native-bf16,native-bf16-ckptnone}"
       run train_kept_capped python3 benchmarks/bench_train.py --stem train_b1_kept_24gb --gpu-cap-gb 24 --modes \
         "${KEPT_CAPPED_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-ckpt8}" ;;
+    train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
+      # show it does not fit), then the same offloaded run uncapped without activation offload
+      run train_long_capped python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --gpu-cap-gb 24 \
+        --cap-resident --steps 3 --warmup 1 --stem train_b2_long_24gb --modes resident,native-bf16-aoff
+      run train_long python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --steps 3 --warmup 1 \
+        --stem train_b2_long --modes native-bf16 ;;
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
         --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16,native-bf16-clip,native-bf16-clipall}" ;;

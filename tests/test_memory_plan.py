@@ -261,6 +261,10 @@ def test_the_plan_counts_kept_layers_saved_tensors_instead_of_their_inputs() -> 
     loss = {spec: plans[spec].gpu.phase_bytes("loss") for spec in plans}
     assert loss["none"] - loss["all"] == 16 * kept and loss[10] - loss["all"] == 6 * kept
     assert loss["auto"] == loss["all"]  # auto keeps what its budget holds at run time: planned as "all"
+    held = offload_ext.plan(config, batch_size=4, seq_len=2048, gpu_memory="139GiB", host_memory="125GB",
+                            activation_offload=True)
+    inputs = dict(held.gpu_phases["loss"])["checkpointed layer inputs"]
+    assert inputs == 2 * 2 * tokens * shape.hidden  # on the host but the one in use and the next one down
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

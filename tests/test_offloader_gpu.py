@@ -234,3 +234,23 @@ def test_what_auto_measures_a_kept_layer_saves_on_the_gpu_is_the_plans_term() ->
     measured = off.auto_choice["saved_bytes_per_layer"]
     off.close()
     assert measured == pytest.approx(kept_layer_bytes(Shape.of(model), *batch.shape), rel=0.10), measured
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_inputs_held_on_the_host_under_randomised_copy_timing_train_exactly_like_on_the_gpu(backend) -> None:
+    plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)
+    losses, weights = _train_transfer_heavy(backend, delay=True, activation_offload=True)
+    assert losses == plain_losses
+    _assert_same_weights(plain_weights, weights)
+
+
+def test_inputs_held_on_the_host_match_gpu_resident_training_and_leave_the_gpu() -> None:
+    base, data = small_llama(), repeating_batches(30)
+    ref, _ = reference_training(base, data, "bf16", lr=3e-3, wd=0.0, device="cuda")
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=3e-3, backend="native", device="cuda", activation_offload=True)
+    losses = offloaded_training(off, model, data, device="cuda")
+    off.close()
+    for ours, theirs in zip(losses, ref):
+        assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
+    assert losses[-1] < losses[0] - 0.5

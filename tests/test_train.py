@@ -173,7 +173,7 @@ def test_native_loss_without_the_extension_and_a_zero_loss_chunk_are_clear_error
 @pytest.mark.parametrize("flags, kept", [
     (["--activation-checkpointing", "none"], 4), (["--activation-checkpointing", "1"], 3),
     (["--activation-checkpointing", "auto", "--gpu-memory-budget", "100KB"], 0),  # a tiny layer saves ~360 KB
-    (["--activation-checkpointing", "auto", "--gpu-memory-budget", "1GB"], 4)])
+    (["--activation-checkpointing", "auto", "--gpu-memory-budget", "1GB"], 4), (["--activation-offload"], 0)])
 def test_offload_without_recompute_trains_the_same_losses(tmp_path, flags, kept) -> None:
     runs = {}
     for name, extra in (("all", []), ("kept", flags)):
@@ -182,6 +182,11 @@ def test_offload_without_recompute_trains_the_same_losses(tmp_path, flags, kept)
         runs[name] = _metrics(out)
     assert [r["loss"] for r in runs["kept"]] == [r["loss"] for r in runs["all"]]
     assert runs["all"][0]["kept_layers"] == 0 and runs["kept"][-1]["kept_layers"] == kept  # tiny: 4 layers
+
+
+def test_activation_offload_without_offload_is_refused(tmp_path, capsys) -> None:
+    _fails(["--out", str(tmp_path), "--backend", "none", "--activation-offload", *FAST],
+           "--activation-offload needs an offload backend", capsys)
 
 
 def test_partial_checkpointing_without_offload_is_refused(tmp_path, capsys) -> None:

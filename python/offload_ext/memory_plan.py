@@ -11,6 +11,7 @@ see is a stated margin. planning.py turns these into offload_ext.plan and the re
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -310,10 +311,13 @@ Rows = tuple[tuple[str, int], ...]
 
 def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, device_layers: int, cuda: bool,
                  batch: int | None = None, seq: int | None = None, chunk_tokens: int = 4096,
-                 native_loss: bool = True, frozen: bool = False, kept_per_stack: int = 0) -> GpuEstimate:
+                 native_loss: bool = True, frozen: bool = False, kept_per_stack: int = 0,
+                 activation_offload: bool = False) -> GpuEstimate:
     """Device memory of the Offloader with these choices; with `batch` and `seq`, of training on that batch
     (each backward's micro-batch) too; `kept_per_stack` top layers of each stack run without recompute."""
     f = DeviceFacts.of(model, choices, device_layers, frozen, kept_per_stack)
+    if activation_offload:  # the checkpointed inputs on the device: the one in use and the next one down
+        f = dataclasses.replace(f, checkpointed=min(f.checkpointed, 2))
     state = _state_bytes(precision)
     kind = " (fp32 masters, moments)" if precision == "mixed" else " (bf16 moments)"
     static = [("params outside the stacks (bf16)", 2 * f.outer),
@@ -402,6 +406,7 @@ class Settings:
     loss_chunk_tokens: int = 4096
     loss_backend: str = "auto"
     activation_checkpointing: str | int = "all"  # "auto" is planned as "all": it keeps what its budget holds
+    activation_offload: bool = False  # checkpointed layers' inputs on the host: two on the device at most
 
 
 @dataclass(frozen=True)
@@ -455,7 +460,7 @@ def evaluate(model: nn.Module, settings: Settings, machine: Machine, group_of: G
 def _gpu_at(model: nn.Module, s: Settings, choices: EngineChoices, machine: Machine, batch: int | None,
             seq: int | None, frozen: bool = False) -> GpuEstimate:
     return gpu_estimate(model, choices, s.precision, s.device_layers, machine.cuda, batch, seq, s.loss_chunk_tokens,
-                        _native_loss(s, machine), frozen, kept_per_stack(s, choices))
+                        _native_loss(s, machine), frozen, kept_per_stack(s, choices), s.activation_offload)
 
 
 def kept_per_stack(s: Settings, choices: EngineChoices) -> int:

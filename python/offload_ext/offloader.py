@@ -138,7 +138,8 @@ class Offloader(torch.optim.Optimizer):
         settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
                             offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                             speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                            resident_layers=resident_layers, activation_checkpointing=activation_checkpointing)
+                            resident_layers=resident_layers, activation_checkpointing=activation_checkpointing,
+                            activation_offload=activation_offload)
         choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout
         self._resident_per_stack = resident_layers

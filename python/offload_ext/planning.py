@@ -352,7 +352,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
          lora_alpha: float | None = None, lora_targets: Sequence[str] = ("q_proj", "v_proj"),
          host_memory: int | str | None = None, gpu_memory: int | str | None = None,
          sr_seed: int = 0, activation_checkpointing: str | int = "all",
-         gpu_memory_budget: int | None = None) -> MemoryPlan:
+         gpu_memory_budget: int | None = None, activation_offload: bool = False) -> MemoryPlan:
     """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
     those that do not change memory are checked and accepted so the same keywords can be passed), trained
     on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,
@@ -372,7 +372,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
                         speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
                         resident_layers=resident_layers, batch_size=batch_size, seq_len=seq_len,
                         loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend,
-                        activation_checkpointing=activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
     layers = resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
     check_checkpointing(activation_checkpointing, layers, gpu_memory_budget, torch.device(device))
     return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--gpu-memory-budget holds, measured in the first step")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
                     const="none", help="the same as --activation-checkpointing none")
+    ap.add_argument("--activation-offload", action="store_true",
+                    help="offload: the input each checkpointed layer keeps waits in host memory until its backward")
     ap.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
                     help="--activation-checkpointing auto: the GPU peak it may reach (e.g. 20GB; default what the "
                          "process may allocate, less 5 %% and 1 GiB; needed with --device cpu-sim)")

@@ -35,7 +35,8 @@ def offloader_kwargs(args: argparse.Namespace, device: torch.device,
                 accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
                 resident_layers=args.resident_layers, device_layers=args.device_layers, weights=weights,
                 sr_seed=args.seed, activation_checkpointing=args.activation_checkpointing,
-                gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None)
+                gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
+                activation_offload=args.activation_offload)
 
 
 def lr_factor(args: argparse.Namespace, step: int) -> float:
@@ -81,6 +82,8 @@ class Trainer:
         for p in model.parameters():
             p.data = p.data.to(self.device, torch.bfloat16)
         model.to(self.device)
+        if a.activation_offload:
+            raise UsageError("--activation-offload needs an offload backend (--backend native or python)")
         if a.activation_checkpointing not in ("all", "none"):
             raise UsageError(f"--activation-checkpointing {a.activation_checkpointing}: without offload, HF "
                              "checkpoints every layer or none: use all or none, or an offload backend (--backend "
