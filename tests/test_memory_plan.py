@@ -265,6 +265,9 @@ def test_the_plan_counts_kept_layers_saved_tensors_instead_of_their_inputs() -> 
                             activation_offload=True)
     inputs = dict(held.gpu_phases["loss"])["checkpointed layer inputs"]
     assert inputs == 2 * 2 * tokens * shape.hidden  # on the host but the one in use and the next one down
+    assert held.host_activations == 16 * 2 * tokens * shape.hidden  # every checkpointed input, on the host
+    base = plans["all"]  # the interpreter's share is read when each plan is made: it may have grown between
+    assert held.host_peak_rss - held.host_process == base.host_peak_rss - base.host_process + held.host_activations
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

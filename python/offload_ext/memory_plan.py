@@ -470,6 +470,17 @@ def kept_per_stack(s: Settings, choices: EngineChoices) -> int:
     return layers - checkpointed_count(spec, layers)
 
 
+def host_activation_bytes(model: nn.Module, s: Settings, choices: EngineChoices) -> int:
+    """activation_offload's host slots for the planned batch: one bf16 input per checkpointed layer."""
+    shape = Shape.of(model)
+    if not s.activation_offload or not s.batch_size or not s.seq_len or shape is None:
+        return 0
+    stacks = choices.layout.stacks
+    layers = sum(len(part.layers) for part in stacks) + len(choices.layout.resident)
+    checkpointed = layers - kept_per_stack(s, choices) * len(stacks)
+    return checkpointed * 2 * s.batch_size * s.seq_len * shape.hidden
+
+
 def _largest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:
     """The largest n in [1, limit] with fits(n) (fits decreasing in n), 0 if none."""
     if not fits(1):

@@ -32,6 +32,7 @@ from .memory_plan import (
     Shape,
     evaluate,
     gpu_estimate,
+    host_activation_bytes,
     largest_batch,
     largest_seq,
     process_rss,
@@ -90,8 +91,9 @@ class MemoryPlan:
     Host: `host_pinned` and `host_pageable` are the engine's buffers as it reserves them (`host_by_what`
     splits them), `host_available` what the Offloader's check allows them (MemAvailable less an eighth of
     MemTotal), `host_peak_rss` the process's expected peak (the buffers, the interpreter and libraries, the
-    CUDA runtime, a checkpoint's copy of the device parameters). GPU: `gpu_terms` itemises `gpu_needed`:
-    `gpu_peak` (what torch.cuda.max_memory_allocated would read; `gpu_phases` has each phase of a step)
+    CUDA runtime, a checkpoint's copy of the device parameters, activation_offload's slots:
+    `host_activations`, pinned as they are first used; not in the buffers' check). GPU: `gpu_terms` itemises
+    `gpu_needed`: `gpu_peak` (what torch.cuda.max_memory_allocated would read; `gpu_phases` has each phase of a step)
     and the margin, against
     `gpu_available`. `largest_batch` is the largest batch at `seq_len` that fits, `largest_seq` the longest
     sequence at batch 1 (None where the device's memory is unknown). `fits` and `reasons` say whether, and
@@ -113,6 +115,7 @@ class MemoryPlan:
     fits: bool
     reasons: tuple[str, ...]
     options: tuple[str, ...]
+    host_activations: int = 0  # activation_offload's host slots: one input per checkpointed layer
 
     @property
     def host_pinned(self) -> int:
@@ -133,7 +136,7 @@ class MemoryPlan:
 
     @property
     def host_peak_rss(self) -> int:
-        return self.host_total + self.host_process + self.host_checkpoint + self.host_simulated
+        return self.host_total + self.host_process + self.host_checkpoint + self.host_simulated + self.host_activations
 
     @property
     def gpu_terms(self) -> dict[str, int]:
@@ -191,6 +194,8 @@ class MemoryPlan:
                   _row("  checkpoint: the device's parameters copied out", "", _gb(self.host_checkpoint)),
                   *([_row("  the simulated device's peak (below)", "", _gb(self.host_simulated))]
                     if self.host_simulated else []),
+                  *([_row("  activation offload: checkpointed layers' inputs", "", _gb(self.host_activations))]
+                    if self.host_activations else []),
                   _row("  expected peak RSS", "", _gb(self.host_peak_rss)),
                   _row("  available to the engine buffers", "", _gb(self.host_available))]
         return lines
@@ -282,7 +287,8 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
     return MemoryPlan(name, settings, str(machine.device), ev.host.need.by_what(), machine.host_available, process,
                       _checkpoint_bytes(ev, settings.precision), ev.host.speculating, ev.gpu, machine.gpu_available,
                       machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
-                      tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else ())
+                      tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),
+                      host_activation_bytes(model, settings, ev.choices))
 
 
 def machine(device: str | torch.device = "cuda", host_memory: int | str | None = None,
