@@ -73,6 +73,20 @@ class Layout:
     def units(self) -> list[Unit]:
         return [u for part in self.parts for u in part.units]
 
+    @property
+    def resident_per_stack(self) -> int:
+        return len(self.resident) // len(self.stacks)
+
+    @property
+    def fewest_stack_layers(self) -> int:
+        """The fewest layers a stack has, resident and streamed."""
+        return self.resident_per_stack + min(len(part.layers) for part in self.stacks)
+
+    @property
+    def stack_layers(self) -> int:
+        """Every stack's layers, resident and streamed."""
+        return len(self.resident) + sum(len(part.layers) for part in self.stacks)
+
 
 GroupOf = Callable[[nn.Parameter], int]
 

@@ -263,8 +263,7 @@ class DeviceFacts:
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
                    ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   sum(len(p.layers) for p in layout.stacks) + len(layout.resident) - no_recompute, largest_param,
-                   no_recompute)
+                   layout.stack_layers - no_recompute, largest_param, no_recompute)
 
 
 def _state_bytes(precision: str) -> int:
@@ -466,7 +465,7 @@ def _gpu_at(model: nn.Module, s: Settings, choices: EngineChoices, machine: Mach
 def kept_per_stack(s: Settings, choices: EngineChoices) -> int:
     """The layers of each stack the plan counts as kept ("auto": none, as "all")."""
     spec = "all" if s.activation_checkpointing == "auto" else s.activation_checkpointing
-    layers = s.resident_layers + min((len(part.layers) for part in choices.layout.stacks), default=0)
+    layers = choices.layout.fewest_stack_layers
     return layers - checkpointed_count(spec, layers)
 
 
@@ -475,9 +474,8 @@ def host_activation_bytes(model: nn.Module, s: Settings, choices: EngineChoices)
     shape = Shape.of(model)
     if not s.activation_offload or not s.batch_size or not s.seq_len or shape is None:
         return 0
-    stacks = choices.layout.stacks
-    layers = sum(len(part.layers) for part in stacks) + len(choices.layout.resident)
-    checkpointed = layers - kept_per_stack(s, choices) * len(stacks)
+    layout = choices.layout
+    checkpointed = layout.stack_layers - kept_per_stack(s, choices) * len(layout.stacks)
     return checkpointed * 2 * s.batch_size * s.seq_len * shape.hidden
 
 

@@ -58,22 +58,14 @@ _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (ho
 
 def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
     """What runs before stack position i's forward: its weights bound, and in its checkpoint recompute
-    (inside backward) its gradient buffer made ready for the gradients about to come."""
+    (inside backward) its gradient buffer made ready for the gradients about to come. A kept layer's
+    backward begins with it too (called inside backward, it does what the recompute does)."""
     def before() -> None:
         recompute = torch._C._current_graph_task_id() != -1
         ring.before_layer(i, recompute)
         if recompute:
             path.before_backward(i)
     return before
-
-def _backward_entry(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
-    """What runs as a kept layer's backward begins (its checkpointed sibling's recompute does the same):
-    its weights bound again, the next one down prefetched, its gradient buffer made ready."""
-    def enter() -> None:
-        ring.before_layer(i, recompute=True)
-        path.before_backward(i)
-    return enter
-
 
 class Offloader(torch.optim.Optimizer):
     """Full CPU offload of a model's layer stacks for training on one device.
@@ -142,8 +134,7 @@ class Offloader(torch.optim.Optimizer):
                             activation_offload=activation_offload)
         choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout
-        self._resident_per_stack = resident_layers
-        check_checkpointing(activation_checkpointing, self._stack_layers(), gpu_memory_budget, self.device)
+        check_checkpointing(activation_checkpointing, self.layout.fewest_stack_layers, gpu_memory_budget, self.device)
         super().__init__(specs, defaults)
         self.model = model
         self.precision, self.backend_name = precision, backend
@@ -188,27 +179,24 @@ class Offloader(torch.optim.Optimizer):
         self.activation_checkpointing = activation_checkpointing
         self._budget = gpu_memory_budget
         self.auto_choice: dict[str, int] | None = None  # "auto"'s measured choice, from the second step on
-        self._checkpointed = checkpointed_count(activation_checkpointing, self._stack_layers())
+        self._checkpointed = checkpointed_count(activation_checkpointing, self.layout.fewest_stack_layers)
         self._saved.measuring = activation_checkpointing == "auto"
         self._wrap_layers()
         self._restart_rings()
 
-    def _stack_layers(self) -> int:
-        """The fewest layers a stack has, resident and streamed."""
-        return self._resident_per_stack + min(len(part.layers) for part in self.layout.stacks)
-
     def _wrap_layers(self) -> None:
         """Each stack's lowest `self._checkpointed` layers (resident ones first) recompute, the rest are kept."""
-        r = self._resident_per_stack
+        r = self.layout.resident_per_stack
         for k, (stack, ring, path) in enumerate(zip(self.layout.stacks, self._rings, self._grad_paths)):
             for j, layer in enumerate(self.layout.resident[k * r:(k + 1) * r]):
                 unwrap_layer(layer)  # nothing to fetch: kept, their saved tensors need no reference either
                 wrap_layer(layer, lambda: None, self._compile_layers,
                            None if j < self._checkpointed else (self._saved, lambda: None), self._host_slot(k, j))
             for i, layer in enumerate(stack.layers):
-                kept = None if r + i < self._checkpointed else (self._saved, _backward_entry(ring, path, i))
+                before = _before_layer(ring, path, i)
+                kept = None if r + i < self._checkpointed else (self._saved, before)
                 unwrap_layer(layer)
-                wrap_layer(layer, _before_layer(ring, path, i), self._compile_layers, kept, self._host_slot(k, r + i))
+                wrap_layer(layer, before, self._compile_layers, kept, self._host_slot(k, r + i))
 
     def _host_slot(self, stack: int, position: int) -> tuple[HostActivations, Key, Key | None] | None:
         """With activation_offload, where a checkpointed layer's input waits: its key, and the layer below's."""
@@ -219,7 +207,7 @@ class Offloader(torch.optim.Optimizer):
     @property
     def kept_layers(self) -> int:
         """How many layers of each stack run without recompute (their saved tensors kept until backward)."""
-        return self._stack_layers() - self._checkpointed
+        return self.layout.fewest_stack_layers - self._checkpointed
 
     def _choose_kept(self) -> None:
         """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
@@ -229,8 +217,8 @@ class Offloader(torch.optim.Optimizer):
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # no allocator to ask: the budget is the kept layers' alone
             budget, peak = self._budget, self._saved.saved_bytes
-        kept = auto_kept(self._stack_layers(), self._saved.saved_bytes, budget, peak)
-        self._checkpointed = self._stack_layers() - kept
+        kept = auto_kept(self.layout.fewest_stack_layers, self._saved.saved_bytes, budget, peak)
+        self._checkpointed = self.layout.fewest_stack_layers - kept
         self.auto_choice = {"kept_layers": kept, "saved_bytes_per_layer": self._saved.saved_bytes,
                             "budget_bytes": budget, "first_step_peak_bytes": peak}
         self._wrap_layers()
