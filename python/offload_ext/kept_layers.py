@@ -7,7 +7,11 @@ runs. At pack time such a view becomes a reference (ring, position, the view's g
 position is bound again, which makes the compute stream wait for the copy that refilled the buffer, as
 every bind does, and the view is rebuilt over the buffer: race-free by construction. A kept layer's
 backward begins at a hook on its output, which binds it, prefetches the layer below and claims its
-gradient buffer: what the recompute does for a checkpointed layer.
+gradient buffer: what the recompute does for a checkpointed layer. Since a position's buffer never changes,
+that entry's bind alone already puts the right weights under the saved views (on the simulated device,
+training stays bit-exact with the pack hook disabled); the references make each saved weight's validity its
+own (its bind, its awaited copy) rather than depend on the entry hook running first, and the pack hook is
+where "auto" counts what a layer saves.
 
 Which layers: `activation_checkpointing` "all" (every layer recomputes), "none", N (the lowest N of each
 stack recompute, the rest are kept) or "auto" (as many kept as a GPU memory budget holds, measured in the
