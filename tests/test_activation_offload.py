@@ -91,3 +91,20 @@ def test_dropout_in_the_recompute_draws_what_the_forward_drew() -> None:
         off.close()
     assert runs[True][0] == runs[False][0]
     _assert_same_model(runs[True][1], runs[False][1])
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_layer_whose_input_needs_no_gradient_still_trains_with_inputs_held_on_the_host(backend) -> None:
+    # A frozen embedding (as under LoRA) feeds the first layer an input without grad: under the reentrant rule
+    # its output would need none either and its weights would not move. That layer keeps the ordinary checkpoint.
+    base, data = tiny_llama(layers=3), batches(3)
+    base.model.embed_tokens.weight.requires_grad_(False)
+    runs = {}
+    for offload in (False, True):
+        model = copy.deepcopy(base)
+        off = offload_ext.Offloader(model, lr=LR, device="cpu", backend=backend, activation_offload=offload)
+        runs[offload] = (offloaded_training(off, model, data), model)
+        off.close()
+    assert runs[True][0] == runs[False][0]
+    _assert_same_model(runs[True][1], runs[False][1])
+    assert not torch.equal(runs[True][1].model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)

@@ -121,9 +121,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 def offloadable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a layer call's input can be held on the host: a tensor first (the hidden states), and no other
-    argument that needs a gradient (those the layer's ordinary checkpoint handles)."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    """Whether a layer call's input can be held on the host: a tensor first (the hidden states) that needs a
+    gradient, and no other argument that does (those the layer's ordinary checkpoint handles). Under the
+    reentrant rule the layer's output needs a gradient only if its input does: the parameters are not inputs
+    of the Function, so the first layer above a frozen embedding (or a model fed raw features) is left to the
+    ordinary checkpoint, or its parameters would get no gradient."""
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
         return False
     return not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args[1:], *kwargs.values()))
 
