@@ -2,9 +2,9 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-long (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long (default: build test
 # adamw train).
-# KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap).
+# KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
 # B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
 # $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes (resident ones too), TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
@@ -127,9 +127,13 @@ for step in "${steps[@]}"; do
         "${RECIPE_MODES:-$recipes}${RECIPE_EXTRA:+,$RECIPE_EXTRA}" ;;
     train-kept)  # issue 13: B1 without recompute beside resident without checkpointing; auto and all under 24 GB
       run train_kept python3 benchmarks/bench_train.py --stem train_b1_kept --modes \
-        "${KEPT_MODES:-resident,resident-ckptnone,native-bf16,native-bf16-ckptnone}"
+        "${KEPT_MODES:-resident,resident-ckptnone,native-bf16,native-bf16-ckptnone,native-bf16-g6-ckptnone,native-bf16-r4-ckptnone}"
       run train_kept_capped python3 benchmarks/bench_train.py --stem train_b1_kept_24gb --gpu-cap-gb 24 --modes \
         "${KEPT_CAPPED_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-ckpt8}" ;;
+    train-b2-kept)  # issue 13: the 8B shape under the 24 GB cap with auto (and with activation offload too) beside
+      # resident uncapped with full checkpointing
+      run train_b2_kept python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
+        --stem train_b2_kept_24gb --modes "${B2_KEPT_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-aoff-ckptauto}" ;;
     train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
       # show it does not fit), then the same offloaded run uncapped without activation offload
       run train_long_capped python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --gpu-cap-gb 24 \

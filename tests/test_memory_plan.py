@@ -37,6 +37,21 @@ def test_the_plans_host_figures_are_the_native_engines_pools(knobs) -> None:
     assert stats["pinned_in_use"] <= stats["pinned_reserved"] and stats["host_in_use"] <= stats["host_reserved"]
 
 
+@pytest.mark.parametrize("spec", ["all", "none", 4, "auto"])
+def test_kept_layers_get_a_gradient_slot_each_and_the_plan_counts_them(spec) -> None:
+    # Without recompute a layer's backward is quicker than its host step: the top layers' steps wait while
+    # the lower ones cycle, so a ring of 6 slots would stall backward on slot reuse (run 47).
+    model = tiny_llama(layers=8)
+    kw = dict(activation_checkpointing=spec, gpu_memory_budget=1 << 30 if spec == "auto" else None)
+    memory = offload_ext.plan(model, device="cpu", **kw)
+    off = offload_ext.Offloader(model, backend="native", device="cpu", **kw)
+    stats = off.stats()
+    off.close()
+    assert (memory.host_pinned, memory.host_pageable) == (stats["pinned_reserved"], stats["host_reserved"])
+    slot = memory.host_by_what[("params", True)] // 8  # one layer's bf16 weights: a slot's size here
+    assert memory.host_by_what[("gradient staging", True)] // slot == (6 if spec == "all" else 8)
+
+
 def test_the_plans_host_figures_are_the_engines_pools_under_lora() -> None:
     peft = pytest.importorskip("peft")
     base = tiny_llama(layers=3, hidden=256)

@@ -58,6 +58,7 @@ class EngineChoices:
     grad_slots: int | None
     speculative_units: frozenset[int]
     hedged_units: frozenset[int]
+    kept_layers: bool  # some streamed layers may run without recompute
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
@@ -74,7 +75,7 @@ class EngineChoices:
         """The backend's keyword arguments these choices fix."""
         return dict(grad_slots=self.grad_slots, accumulate=self.policy.accumulates,
                     grad_accum=self.policy.host_grad_accum, speculative_units=self.speculative_units,
-                    hedged_units=self.hedged_units)
+                    hedged_units=self.hedged_units, kept_layers=self.kept_layers)
 
 
 def choose(model: nn.Module, settings: Settings, device: torch.device, group_of: GroupOf,
@@ -88,7 +89,9 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
                         sums_on_device(s.accumulate_on_device, s.grad_accum, layout.parts, device, free_device))
     spec = speculative_units(layout) if policy.speculative else frozenset()
     hedged = hedged_units(layout) if policy.speculative else frozenset()
-    return EngineChoices(layout, policy, s.grad_slots, spec, hedged)
+    ckpt = s.activation_checkpointing  # checked once the layout is known (check_checkpointing)
+    kept = ckpt in ("none", "auto") or (type(ckpt) is int and bool(layout.stacks) and ckpt < layout.fewest_stack_layers)
+    return EngineChoices(layout, policy, s.grad_slots, spec, hedged, kept)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -112,7 +115,7 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
     if backend == "native":
         asked = NativeHostPlan.choose(precision, sizes, own, grad_slots=choices.grad_slots,
                                       accumulate=choices.policy.accumulates, speculative_units=spec,
-                                      grad_accum=choices.policy.host_grad_accum)
+                                      grad_accum=choices.policy.host_grad_accum, kept_layers=choices.kept_layers)
         fitted = asked.fitted(available)
         counts = (len(fitted.speculative_units), len(asked.speculative_units)) if asked.speculative_units else None
         return HostPlan(fitted.need(), tuple(fitted.alternatives()), counts)

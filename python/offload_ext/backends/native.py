@@ -37,7 +37,7 @@ class NativeBackend(Backend):
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
-                 grad_accum: int = 1, sr_seed: int = 0, **_: Any) -> None:
+                 grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
@@ -54,6 +54,7 @@ class NativeBackend(Backend):
         # own, kept (as its accum) until the norm decides between the step standing and a redo.
         self._keep_grads = self.speculative and grad_accum == 1
         self._grad_accum = grad_accum
+        self._kept_layers = kept_layers  # some layers run without recompute: one gradient slot per layer
         self.asynchronous = async_step
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
@@ -80,7 +81,7 @@ class NativeBackend(Backend):
         high up as it fits; nothing is allocated."""
         planned = NativeHostPlan.choose(self.precision, tuple(sizes), tuple(own_grads), grad_slots=self._grad_slots,
                                         accumulate=self.accumulate, speculative_units=self._speculative_units,
-                                        grad_accum=self._grad_accum)
+                                        grad_accum=self._grad_accum, kept_layers=self._kept_layers)
         self._grad_slots = planned.grad_slots
         self._slot_owner = [None] * self._grad_slots
         if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):

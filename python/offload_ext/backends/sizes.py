@@ -121,13 +121,16 @@ def moment_bytes(precision: str) -> int:
 _LORA = "the frozen base's bf16 params; adapters not counted"
 
 
-def default_grad_slots(precision: str, layers: int, accumulate: bool = False) -> int:
-    # bf16: the host step of a layer is quicker than the GPU's backward of one, so a few slots never
-    # fill up. mixed, and the last micro-batch of an accumulation (its backward on a smaller batch is
-    # quicker): the step is slower than the backward, a backlog builds up, and a full ring would stall
-    # backward: one slot per layer (2 more bytes per parameter of pinned memory; pass grad_slots to
-    # trade it back when host memory is tight).
-    return 6 if precision != "mixed" and not accumulate else layers
+def default_grad_slots(precision: str, layers: int, accumulate: bool = False, kept_layers: bool = False) -> int:
+    # bf16: the host step of a layer is quicker than the GPU's backward of one with its recompute, so a
+    # few slots never fill up. mixed, the last micro-batch of an accumulation (its backward on a smaller
+    # batch is quicker) and layers kept without recompute: the step is slower than the backward, a backlog
+    # builds up, and a full ring would stall backward: one slot per layer (2 more bytes per parameter of
+    # pinned memory; pass grad_slots to trade it back when host memory is tight). With kept layers the
+    # backlog is what lets the host's work reach into the next forward: the engine steps the lowest layer
+    # first, so the top layers wait holding their slots while the layers below cycle (B1 without recompute
+    # on 6 slots: the launching thread blocked 67 ms a step on slot reuse, run 47).
+    return 6 if precision != "mixed" and not accumulate and not kept_layers else layers
 
 
 @dataclass(frozen=True)
@@ -144,22 +147,25 @@ class NativeHostPlan:
     speculative_units: frozenset[int]
     asked_slots: int | None = None  # grad_slots as given (None: chosen)
     grad_accum: int = 1             # micro-batches whose gradients reach the host per step
+    kept_layers: bool = False       # some layers run without recompute (their backward is quicker)
 
     @classmethod
     def choose(cls, precision: str, sizes: Sizes, own_grads: Sizes = (), *, grad_slots: int | None = None,
                accumulate: bool = False, speculative_units: frozenset[int] = frozenset(),
-               grad_accum: int = 1) -> NativeHostPlan:
-        """The plan NativeBackend(precision, grad_slots=, accumulate=, speculative_units=, grad_accum=)
-        makes: speculative clipping of single micro-batches keeps each unit's gradient (no ring)."""
+               grad_accum: int = 1, kept_layers: bool = False) -> NativeHostPlan:
+        """The plan NativeBackend(precision, grad_slots=, accumulate=, speculative_units=, grad_accum=,
+        kept_layers=) makes: speculative clipping of single micro-batches keeps each unit's gradient (no ring)."""
         keep = bool(speculative_units) and grad_accum == 1
-        slots = 0 if keep else min(len(sizes), grad_slots or default_grad_slots(precision, len(sizes), accumulate))
+        chosen = default_grad_slots(precision, len(sizes), accumulate, kept_layers)
+        slots = 0 if keep else min(len(sizes), grad_slots or chosen)
         return cls(precision, tuple(sizes), tuple(own_grads), accumulate, keep, slots, frozenset(speculative_units),
-                   grad_slots, grad_accum)
+                   grad_slots, grad_accum, kept_layers)
 
     def _again(self, **changes: object) -> NativeHostPlan:
         """The plan choose() makes with these of its arguments changed."""
         asked = dict(precision=self.precision, sizes=self.sizes, own_grads=self.own_grads, grad_slots=self.asked_slots,
-                     accumulate=self.accumulate, speculative_units=self.speculative_units, grad_accum=self.grad_accum)
+                     accumulate=self.accumulate, speculative_units=self.speculative_units, grad_accum=self.grad_accum,
+                     kept_layers=self.kept_layers)
         return NativeHostPlan.choose(**(asked | changes))
 
     def second_buffers(self, index: int, numel: int, trainable: int) -> list[tuple[int, bool]]:
