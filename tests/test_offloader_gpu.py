@@ -236,6 +236,19 @@ def test_what_auto_measures_a_kept_layer_saves_on_the_gpu_is_the_plans_term() ->
     assert measured == pytest.approx(kept_layer_bytes(Shape.of(model), *batch.shape), rel=0.10), measured
 
 
+def test_auto_counts_the_device_optimizers_state_made_at_its_first_step() -> None:
+    # torch's AdamW makes its moments at its first step, after the backward that peaked: "auto" adds them.
+    model = small_llama()
+    off = offload_ext.Offloader(model, lr=1e-3, backend="native", device="cuda", activation_checkpointing="auto")
+    outer = sum(p.numel() for p in off.layout.device_params if p.requires_grad)
+    batch = repeating_batches(1)[0].cuda()
+    off.backward(offload_ext.causal_lm_loss(model, batch))
+    off.step()
+    grown = off.auto_choice["device_step_growth_bytes"]
+    off.close()
+    assert 2 * 2 * outer <= grown <= 2 * 2 * outer + (1 << 20), (grown, outer)  # two bf16 moments, step counters
+
+
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_inputs_held_on_the_host_under_randomised_copy_timing_train_exactly_like_on_the_gpu(backend) -> None:
     plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)

@@ -209,18 +209,19 @@ class Offloader(torch.optim.Optimizer):
         """How many layers of each stack run without recompute (their saved tensors kept until backward)."""
         return self.layout.fewest_stack_layers - self._checkpointed
 
-    def _choose_kept(self) -> None:
+    def _choose_kept(self, grown: int) -> None:
         """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
-        costing what the top layer saved in that step's first forward."""
+        costing what the top layer saved in that step's first forward, on top of that step's peak and what the
+        device step left allocated (`grown` bytes)."""
         if self.device.type == "cuda":
             budget = self._budget if self._budget is not None else device_budget(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # no allocator to ask: the budget is the kept layers' alone
             budget, peak = self._budget, self._saved.saved_bytes
-        kept = auto_kept(self.layout.fewest_stack_layers, self._saved.saved_bytes, budget, peak)
+        kept = auto_kept(self.layout.fewest_stack_layers, self._saved.saved_bytes, budget, peak + grown)
         self._checkpointed = self.layout.fewest_stack_layers - kept
         self.auto_choice = {"kept_layers": kept, "saved_bytes_per_layer": self._saved.saved_bytes,
-                            "budget_bytes": budget, "first_step_peak_bytes": peak}
+                            "budget_bytes": budget, "first_step_peak_bytes": peak, "device_step_growth_bytes": grown}
         self._wrap_layers()
 
     @classmethod
@@ -316,11 +317,16 @@ class Offloader(torch.optim.Optimizer):
         for path in self._grad_paths:
             path.check_complete(lambda p: names.get(id(p), "?"))
         self._policy.finish_host_units(self._backend, self._device_opt.grads())
+        choosing = self.activation_checkpointing == "auto" and self.auto_choice is None
+        before = torch.cuda.memory_allocated(self.device) if choosing and self.device.type == "cuda" else 0
         self._device_opt.step(self._hyper_dicts())
         self._step += 1
         self._policy.end_step()
-        if self.activation_checkpointing == "auto" and self.auto_choice is None:
-            self._choose_kept()
+        if choosing:
+            # torch's AdamW makes its state at its first step, after the backward that peaked: every later
+            # backward has it too (B2's 4.2 GB of moments, an OOM under 24 GB without it, run 48).
+            grown = torch.cuda.memory_allocated(self.device) - before if self.device.type == "cuda" else 0
+            self._choose_kept(max(0, grown))
         self._restart_rings()
 
     @contextlib.contextmanager

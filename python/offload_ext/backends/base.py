@@ -94,9 +94,18 @@ class Backend(ABC):
         return torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
 
     @abstractmethod
-    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        """Copy layer `index`'s params host -> dst once the compute stream has reached this point and
-        the layer's pending host step (if any) is done."""
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
+        """Copy layer `index`'s params host -> dst once the compute stream has reached this point (or the
+        earlier one `after`, from mark_compute()) and the layer's pending host step (if any) is done."""
+
+    def mark_compute(self) -> Any:
+        """The compute stream's point now, for a load issued later that need not wait for the compute
+        enqueued in between (None on the simulated device, whose compute is the calling thread)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def ready(self, index: int) -> bool:
         """Whether layer `index` has no host step pending, so `load` would not block."""

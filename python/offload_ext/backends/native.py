@@ -174,11 +174,12 @@ class NativeBackend(Backend):
         self._layers.append(layer)
         return layer
 
-    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
         # Its step writes the params we copy (the wait releases the GIL).
         self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device")
         self._follow_swap(index, layer)  # "bf16": a speculative step left the params in the other buffer
-        return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index)
+        return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index,
+                                 after_event=after.cuda_event if after is not None else 0)
 
     def ready(self, index: int) -> bool:
         return self._engine.ready(index)

@@ -37,8 +37,11 @@ class _CudaCopies:
         self.d2h = torch.cuda.Stream(device)
 
     def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
-             stall_us: int = 0) -> torch.cuda.Event:
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+             stall_us: int = 0, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             if stall_us:
                 torch.cuda._sleep(stall_us * self._CYCLES_PER_US)
@@ -62,7 +65,8 @@ class _ThreadCopies:
         self.h2d = ThreadPoolExecutor(1, thread_name_prefix="offload-h2d")
         self.d2h = ThreadPoolExecutor(1, thread_name_prefix="offload-d2h")
 
-    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor, stall_us: int = 0) -> Future:
+    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor, stall_us: int = 0,
+             after: None = None) -> Future:
         if not stall_us:
             return stream.submit(dst.copy_, src)
 
@@ -188,15 +192,15 @@ class PythonBackend(Backend):
         t = self._arena.tensor
         return t.data_ptr(), t.data_ptr() + t.nbytes
 
-    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         if self._fail_next_copy:
             self._fail_next_copy = False
             raise RuntimeError("PythonBackend: injected copy failure (fail_next_copy)")
         stall_us = random.randint(0, self._copy_delay_us) if self._copy_delay_us else 0
-        return self._copies.copy(stream, dst, src, stall_us)
+        return self._copies.copy(stream, dst, src, stall_us, after)
 
-    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor) -> Any:
-        return self._copy(self._copies.h2d, dst, layer.params)
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
+        return self._copy(self._copies.h2d, dst, layer.params, after)
 
     def compute_wait(self, event: Any) -> None:
         self._copies.compute_wait(event)

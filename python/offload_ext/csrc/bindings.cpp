@@ -152,9 +152,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
            py::arg("job") = Job::kStep, py::arg("trace_unit") = -1, py::arg("then_step") = false,
+           py::arg("after_event") = 0,
            "Enqueue a copy; with notify_unit, queue `job` of that unit once it lands. Raises (and leaves "
            "nothing expected of the unit) when the copy cannot be enqueued. trace_unit: the unit the timeline "
-           "names (default notify_unit).")
+           "names (default notify_unit). after_event: a recorded cudaEvent_t handle (torch.cuda.Event.cuda_event) "
+           "the copy waits for instead of the compute stream's point now (0: that point).")
       .def("compute_wait", &Engine::compute_wait, py::arg("event"), Release())
       .def("add_unit", &Engine::add_unit, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),

@@ -119,7 +119,7 @@ class HostCopyEngine final : public CopyEngine {
     streams_[1] = std::make_unique<HostStream>(delay_us_);
   }
   std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t /*compute*/,
-                              Callback on_done) override {
+                              Callback on_done, uintptr_t /*after*/) override {
     throw_if_failure_injected();
     auto done = std::make_shared<HostEvent>();
     streams_[static_cast<int>(dir)]->push({dst, src, bytes, done, std::move(on_done)});
@@ -225,11 +225,13 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
-                              Callback on_done) override {
+                              Callback on_done, uintptr_t after) override {
     DeviceGuard guard(device_);
     throw_if_failure_injected();
     cudaStream_t s = streams_[static_cast<int>(dir)];
-    {
+    if (after != 0) {
+      cuda_check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(after), 0), "cudaStreamWaitEvent");
+    } else {
       CudaEvent marker(events_, reinterpret_cast<cudaStream_t>(compute));
       cuda_check(cudaStreamWaitEvent(s, marker.get(), 0), "cudaStreamWaitEvent");
     }

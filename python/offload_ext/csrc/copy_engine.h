@@ -31,8 +31,11 @@ class CopyEngine {
   // handle; ignored on the simulated device, whose compute is the calling thread). `on_done` (may be
   // empty) runs on an engine thread once the copy has landed; it must not call back into CUDA or Python.
   // When copy() throws, on_done never runs: the caller may undo what it did in on_done's name.
+  // `after` (a cudaEvent_t, 0: none) replaces the compute stream's point now by an earlier one the caller
+  // recorded: a copy wanted then but issued only now (its source was still being written) need not wait
+  // for the compute enqueued since.
   virtual std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t compute,
-                                      Callback on_done) = 0;
+                                      Callback on_done, uintptr_t after = 0) = 0;
   // Make the compute stream wait for `e` (the simulated device blocks the caller instead).
   virtual void compute_wait(const Event& e, uintptr_t compute) = 0;
   // Wait for everything enqueued on both copy streams.

@@ -125,7 +125,7 @@ void Engine::reserve_host_blocks(const std::vector<int64_t>& blocks) {
 }
 
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
-                                    Job job, int trace_unit, bool then_step) {
+                                    Job job, int trace_unit, bool then_step, uintptr_t after_event) {
   // The enums come from Python, where an enum can still be built from any int.
   TORCH_CHECK(dir == Direction::kH2D || dir == Direction::kD2H, "Engine.copy: expected Direction.H2D or "
               "Direction.D2H, got ", num(static_cast<int64_t>(dir)));
@@ -165,7 +165,8 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
     };
   }
   if (notify_unit < 0) {
-    return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
+    return copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done),
+                         after_event);
   }
   // A speculative step whose norm the device took counts as a norm until its copy lands: wait_norms then
   // also means every speculative step is queued, so that a redo finds it (and goes behind it).
@@ -176,7 +177,8 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
     if (traced) traced();
     sched->notify(notify_unit, job, 1.0f, then_step);
   };
-  auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done));
+  auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done),
+                             after_event);
   pending.commit();
   if (pending_step) pending_step->commit();
   return event;
