@@ -160,6 +160,15 @@ def test_layers_kept_on_the_device_for_recompute_train_exactly_like_two_buffers(
     _assert_same_weights(plain_weights, weights)
 
 
+def test_kept_layers_on_a_slow_host_train_exactly_like_the_synchronous_step() -> None:
+    # Without recompute and with 10 ms per layer step, the host steps reach far into the next forward: the
+    # prefetches find them running, mark the compute point, and the copies issued at the binds wait for it.
+    sync_losses, sync_weights = _train_transfer_heavy("native", delay=False, async_step=False)
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=10_000, activation_checkpointing="none")
+    assert losses == sync_losses
+    _assert_same_weights(sync_weights, weights)
+
+
 def test_host_steps_in_small_slices_on_a_slow_host_train_exactly_like_whole_steps() -> None:
     whole_losses, whole_weights = _train_transfer_heavy("native", delay=False, slice_elements=1 << 62)
     # 1 ms per 100k-element slice: ~95 slices per layer, the lower layers cut in ahead of started ones.
