@@ -1,20 +1,30 @@
-"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters; and
-StochasticAdamW, bf16 AdamW with stochastic rounding in torch ops on any device."""
+"""CPUAdamW: a torch.optim.Optimizer on the native fused AdamW kernel, for CPU parameters (plain, or the
+local shards of DTensor ones), optionally stepped in backward; and StochasticAdamW, bf16 AdamW with
+stochastic rounding in torch ops on any device."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .ops import adamw_step
+from .overlap import InBackwardSteps
 from .stochastic_rounding import adamw_step_sr
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel steps: a DTensor's local shard (its storage), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _check_param(p: torch.Tensor) -> None:
+    p = _local(p.detach())
     if p.device.type != "cpu":
         raise ValueError(f"CPUAdamW: parameters must live on the CPU, got one on {p.device}; "
                          "use torch.optim.AdamW(fused=True) for GPU parameters")
@@ -33,13 +43,17 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
 
 
 def _stepped(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, int]]:
-    """(group, parameter, its index counting through the groups in order) of each parameter with a
-    gradient: the index is the parameter's stochastic rounding stream."""
+    """_all_params' triples of the parameters with a gradient: the index is the parameter's stochastic
+    rounding stream."""
+    return ((group, p, index) for group, p, index in _all_params(param_groups) if p.grad is not None)
+
+
+def _all_params(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, int]]:
+    """(group, parameter, its index counting through the groups in order) of every parameter."""
     index = 0
     for group in param_groups:
         for p in group["params"]:
-            if p.grad is not None:
-                yield group, p, index
+            yield group, p, index
             index += 1
 
 
@@ -60,7 +74,13 @@ class CPUAdamW(torch.optim.Optimizer):
     parameters and exp_avg_sq by stochastic rounding (offload_ext.stochastic_rounding's rule): parameter k
     of the optimizer, counting through the groups in order, draws stream k of `sr_seed`. Both are group
     options for bf16 parameters; a group takes one of them at most.
-    State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`.
+    State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`; for DTensor
+    parameters (FSDP2's shards) the states are DTensors of the same placement and the kernel steps the
+    local shard.
+    `overlap=True` steps each parameter in backward, on a worker thread, as soon as its gradient is final
+    (offload_ext.overlap); `step()` waits for those and steps the parameters they did not reach. The
+    gradients are consumed by then: change them (clip them) only with overlap=False. With gradient
+    accumulation, run every backward but a step's last inside `with opt.no_overlap():`.
     """
 
     def __init__(
@@ -73,6 +93,7 @@ class CPUAdamW(torch.optim.Optimizer):
         master_weights: bool = False,
         stochastic_rounding: bool = False,
         sr_seed: int = 0,
+        overlap: bool = False,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -86,13 +107,34 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         stochastic_rounding=stochastic_rounding)
-        super().__init__(params, defaults)
+        self.overlap: InBackwardSteps | None = None
+        super().__init__(params, defaults)  # add_param_group checks (and with overlap, watches) each group
         self.sr_seed = sr_seed
-        for group in self.param_groups:
-            if group["master_weights"] and group["stochastic_rounding"]:
-                raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
-            for p in group["params"]:
-                _check_param(p)
+        if overlap:
+            self.overlap = InBackwardSteps(self._step_param)
+            for group, p, index in _all_params(self.param_groups):
+                self.overlap.watch(group, p, index)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["master_weights"] and group["stochastic_rounding"]:
+            raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
+        for p in group["params"]:
+            _check_param(p)
+        if self.overlap is not None:  # a group added after construction: its parameters count on from the others
+            first = sum(len(g["params"]) for g in self.param_groups[:-1])
+            for k, p in enumerate(group["params"]):
+                self.overlap.watch(group, p, first + k)
+
+    @contextlib.contextmanager
+    def no_overlap(self) -> Iterator[None]:
+        """A backward inside this block leaves its gradients to step() (a micro-batch before a step's last)."""
+        if self.overlap is None:
+            yield
+            return
+        with self.overlap.paused():
+            yield
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A loaded state dict's groups replace these (torch.optim.AdamW's carry neither key): what it
@@ -122,33 +164,50 @@ class CPUAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = _closure_loss(closure)
+        done = self.overlap.take_stepped() if self.overlap is not None else set()
         for group, p, stream in _stepped(self.param_groups):
-            if p.grad.is_sparse:
-                raise RuntimeError("CPUAdamW does not support sparse gradients")
-            state = self._init_state(p, group)
-            state["step"] += 1
-            master = state.get("master_param")
-            adamw_step(
-                master if master is not None else p.detach(),
-                p.grad.detach().contiguous(),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                param_out=p.detach() if master is not None else None,
-                lr=group["lr"],
-                beta1=group["betas"][0],
-                beta2=group["betas"][1],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=int(state["step"].item()),
-                sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
-                sr_stream=stream,
-            )
+            if id(p) not in done:
+                self._step_param(group, p, stream)
         return loss
 
+    @torch.no_grad()
+    def _step_param(self, group: dict[str, Any], p: torch.Tensor, stream: int) -> None:
+        """One parameter's fused AdamW step with its gradient as it is now (`stream`: its stochastic
+        rounding stream)."""
+        if p.grad.is_sparse:
+            raise RuntimeError("CPUAdamW does not support sparse gradients")
+        state = self._init_state(p, group)
+        state["step"] += 1
+        master = state.get("master_param")
+        adamw_step(
+            _local(master if master is not None else p.detach()),
+            _local(p.grad.detach()).contiguous(),
+            _local(state["exp_avg"]),
+            _local(state["exp_avg_sq"]),
+            param_out=_local(p.detach()) if master is not None else None,
+            lr=group["lr"],
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=int(state["step"].item()),
+            sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
+            sr_stream=stream,
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.overlap is not None:
+            self.overlap.wait()  # a step in backward may still read a gradient that zeroing would overwrite
+        super().zero_grad(set_to_none)
+
     def state_dict(self) -> dict[str, Any]:
+        if self.overlap is not None:
+            self.overlap.wait()
         return {**super().state_dict(), "sr_seed": self.sr_seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.overlap is not None:
+            self.overlap.wait()
         if any(g["stochastic_rounding"] for g in self.param_groups):
             _check_seed(state_dict, self.sr_seed, "CPUAdamW")
         # torch casts every loaded state tensor to its parameter's dtype; master-weight states

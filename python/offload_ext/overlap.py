@@ -1,0 +1,71 @@
+"""In-backward steps for CPUAdamW(overlap=True): each parameter is stepped on a worker thread the moment
+its gradient is final (its post-accumulate-grad hook), while backward goes on producing the others.
+
+The fused kernel releases the GIL and runs on the library's thread pool, so the step of one layer's
+parameters overlaps the autograd engine computing the layers below. Under FSDP2 the hook of a sharded
+parameter fires once its reduce-scatter has produced the local shard's gradient; with CPUOffloadPolicy
+torch copies that gradient to the host synchronously when a parameter has such a hook (it reads the
+gradient on the host), so the gradient a job reads has landed. A parameter whose hook did not fire this
+backward (no gradient, or a backward run under `no_overlap()`) is stepped by `step()` as without overlap.
+A worker's failure is re-raised by the next `wait()` (step, zero_grad, state_dict), never dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class InBackwardSteps:
+    """The hooks, the worker and what was stepped since the last `step()`."""
+
+    def __init__(self, step_param: Callable[[dict[str, Any], torch.Tensor, int], None]) -> None:
+        self._step_param = step_param
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="offload-ext-cpu-adamw")
+        self._jobs: list[Future] = []
+        self._stepped: set[int] = set()    # ids of the parameters stepped in this backward
+        self._where: dict[int, tuple[dict[str, Any], int]] = {}  # id -> (group, sr stream index)
+        self._paused = 0
+
+    def watch(self, group: dict[str, Any], p: torch.Tensor, index: int) -> None:
+        """Step `p` with `group`'s hyperparameters as soon as its gradient is final."""
+        self._where[id(p)] = (group, index)
+        p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._paused:
+            return
+        if id(p) in self._stepped:
+            raise RuntimeError("CPUAdamW(overlap=True): a parameter got a second gradient before step() and was "
+                               "stepped on the first already; run every backward but a step's last inside "
+                               "`with opt.no_overlap():` (or with FSDP2, set_requires_gradient_sync(False))")
+        self._stepped.add(id(p))
+        group, index = self._where[id(p)]
+        self._jobs.append(self._worker.submit(self._step_param, group, p, index))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def wait(self) -> None:
+        """Block until every step queued so far is done; re-raise the first failure among them."""
+        jobs, self._jobs = self._jobs, []
+        errors = [e for e in (job.exception() for job in jobs) if e is not None]
+        if errors:
+            raise RuntimeError("CPUAdamW(overlap=True): a step in backward failed") from errors[0]
+
+    def take_stepped(self) -> set[int]:
+        """Wait, then the ids of the parameters stepped since the last call (forgotten here)."""
+        self.wait()
+        stepped, self._stepped = self._stepped, set()
+        return stepped
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)

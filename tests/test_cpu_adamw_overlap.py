@@ -1,0 +1,148 @@
+"""CPUAdamW(overlap=True): parameters stepped in backward as their gradients land train exactly as the steps
+after backward do, plain and as FSDP2's shards (two gloo processes on the CPU), with torch's schedulers."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import offload_ext
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 17)).to(dtype)
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    return [{"params": list(model[0].parameters()) + list(model[2].parameters()), "lr": 3e-3, "weight_decay": 0.1},
+            {"params": list(model[4].parameters()), "lr": 1e-3, "weight_decay": 0.0}]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, micro: int = 1) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(steps):
+        for k in range(micro):
+            x = torch.randn(8, 33, generator=gen).to(dtype)
+            loss = model(x).float().pow(2).mean()
+            last = k == micro - 1
+            with opt.no_overlap() if not last else contextlib.nullcontext():
+                loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return losses
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(master_weights=True), dict(stochastic_rounding=True)],
+                         ids=["plain", "master", "sr"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_steps_in_backward_are_bit_exact_with_steps_after_it(kw, micro) -> None:
+    dtype = torch.float32 if not kw else torch.bfloat16
+    base = _model(dtype)
+    runs = {}
+    for overlap in (False, True):
+        model = copy.deepcopy(base)
+        opt = offload_ext.CPUAdamW(_groups(model), overlap=overlap, sr_seed=5, **kw)
+        runs[overlap] = (_train(model, opt, 4, micro), model, opt.state_dict())
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1].parameters(), runs[False][1].parameters()):
+        assert torch.equal(a, b)
+    ours, theirs = runs[True][2]["state"], runs[False][2]["state"]
+    assert ours.keys() == theirs.keys()
+    for index, state in ours.items():
+        assert all(torch.equal(v, theirs[index][k]) for k, v in state.items()), index
+
+
+def test_a_second_backward_without_no_overlap_is_refused() -> None:
+    model = _model()
+    opt = offload_ext.CPUAdamW(model.parameters(), overlap=True)
+    model(torch.randn(2, 33)).sum().backward()
+    with pytest.raises(RuntimeError, match="second gradient before step"):
+        model(torch.randn(2, 33)).sum().backward()
+    opt.zero_grad()  # waits for the first backward's steps: each parameter was stepped once, on it
+    assert [int(s["step"]) for s in opt.state.values()] == [1] * len(list(model.parameters()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        results = {}
+        for name in ("torch", "after", "overlap"):
+            model = _model(dtype)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if name == "torch":
+                opt = torch.optim.AdamW(_groups(model), foreach=False)
+            else:
+                opt = offload_ext.CPUAdamW(_groups(model), overlap=name == "overlap")
+            gen = torch.Generator().manual_seed(2 + rank)  # each rank its own data, as data parallelism has
+            losses, first = [], None
+            for _ in range(4):
+                x = torch.randn(4, 33, generator=gen).to(dtype)
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                first = first or [p.to_local().detach().clone() for p in model.parameters()]
+            results[name] = (losses, first, [p.to_local().detach().clone() for p in model.parameters()])
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_fsdp(dtype: torch.dtype, out: str, world: int = 2) -> dict[int, dict]:
+    mp.spawn(_fsdp_worker, args=(world, _free_port(), dtype, out), nprocs=world, join=True)
+    return {rank: torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(world)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fsdp2_shards_stepped_in_backward_match_torch_adamw_and_the_steps_after_it(dtype, tmp_path) -> None:
+    for rank, results in _run_fsdp(dtype, str(tmp_path)).items():
+        (ours_losses, ours_first, ours), (after_losses, _, after) = results["overlap"], results["after"]
+        torch_losses, ref_first, ref = results["torch"]
+        assert ours_losses == after_losses, rank
+        for a, b in zip(ours, after):
+            assert torch.equal(a, b), rank  # the same kernel on the same shards, in backward or after it
+        if dtype == torch.float32:
+            # torch's single-tensor AdamW rounds its fp32 arithmetic in another order: the last bits differ
+            for a, b in zip(ours, ref):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            assert ours_losses == pytest.approx(torch_losses, rel=1e-6)
+        else:
+            # One step from the same bf16 state (later steps start from states that differ). The kernel forms
+            # the update in fp32 and rounds the parameter once; torch's single-tensor bf16 AdamW rounds the
+            # decayed parameter, then each op of the update to bf16: the numerator and four of the
+            # denominator (sqrt, bias correction, eps), 2^-9 of the update each, and the update of a first
+            # step is ~lr. Bound: 2 ulps of the parameter + lr * 5 * 2^-9 (< lr * 2^-6). Measured on the CPU
+            # machine, one step of this model: at most 1 ulp + 0.0095 lr.
+            lrs = [g["lr"] for g in _groups(_model(dtype)) for _ in g["params"]]
+            for a, b, lr in zip(ours_first, ref_first, lrs):
+                _, exponent = torch.frexp(b.float())
+                ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float32), exponent - 8)
+                assert ((a.float() - b.float()).abs() <= 2 * ulp + lr * 2 ** -6).all(), rank
