@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import socket
 
@@ -65,6 +66,43 @@ def test_steps_in_backward_are_bit_exact_with_steps_after_it(kw, micro) -> None:
         assert all(torch.equal(v, theirs[index][k]) for k, v in state.items()), index
 
 
+def _clip_by_the_rule(model: nn.Module, max_norm: float) -> None:
+    # global_clip's rule, written out: float64 squares summed per parameter, then over parameters in order
+    sums = [float(torch.sum(torch.square(p.grad.to(torch.float64)))) for p in model.parameters()]
+    scale = min(1.0, max_norm / (math.sqrt(sum(sums, 0.0)) + 1e-6))
+    if scale < 1.0:
+        for p in model.parameters():
+            p.grad.mul_(scale)
+
+
+@pytest.mark.parametrize("max_norm", [1e6, 1e-2], ids=["never", "always"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clipping_in_backward_commits_or_redoes_exactly_the_rule(dtype, max_norm) -> None:
+    base = _model(dtype)
+    runs = {}
+    for overlap in (False, True):
+        model = copy.deepcopy(base)
+        opt = offload_ext.CPUAdamW(_groups(model), overlap=overlap, max_grad_norm=max_norm)
+        runs[overlap] = (_train(model, opt, 4, micro=2), model, opt.last_clip_action, opt.last_grad_norm)
+    model = copy.deepcopy(base)  # the reference: the rule applied by hand, then the plain step
+    ref_opt = offload_ext.CPUAdamW(_groups(model))
+    gen = torch.Generator().manual_seed(1)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    for _ in range(4):
+        for _ in range(2):
+            model(torch.randn(8, 33, generator=gen).to(dtype)).float().pow(2).mean().backward()
+        _clip_by_the_rule(model, max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        sched.step()
+    for ours in (runs[False][1], runs[True][1]):
+        for a, b in zip(ours.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+    assert runs[True][0] == runs[False][0]
+    assert (runs[False][2], runs[True][2]) == (("unclipped", "committed") if max_norm > 1 else ("clipped", "redone"))
+    assert runs[True][3] == runs[False][3]
+
+
 def test_a_second_backward_without_no_overlap_is_refused() -> None:
     model = _model()
     opt = offload_ext.CPUAdamW(model.parameters(), overlap=True)
@@ -90,7 +128,7 @@ def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str)
     try:
         mesh = init_device_mesh("cpu", (world,))
         results = {}
-        for name in ("torch", "after", "overlap"):
+        for name in ("torch", "after", "overlap", "after-clip", "overlap-clip"):
             model = _model(dtype)
             for layer in model:
                 if isinstance(layer, nn.Linear):
@@ -99,18 +137,23 @@ def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str)
             if name == "torch":
                 opt = torch.optim.AdamW(_groups(model), foreach=False)
             else:
-                opt = offload_ext.CPUAdamW(_groups(model), overlap=name == "overlap")
+                opt = offload_ext.CPUAdamW(_groups(model), overlap=name.startswith("overlap"),
+                                           max_grad_norm=1e-2 if name.endswith("clip") else None)
             gen = torch.Generator().manual_seed(2 + rank)  # each rank its own data, as data parallelism has
-            losses, first = [], None
+            losses, first, norms = [], None, []
             for _ in range(4):
                 x = torch.randn(4, 33, generator=gen).to(dtype)
                 loss = model(x).float().pow(2).mean()
                 loss.backward()
+                if name == "torch":  # torch's global norm of the sharded gradients (1e9: it never clips)
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor()))
                 opt.step()
+                if name.endswith("clip"):
+                    norms.append((opt.last_grad_norm, opt.last_clip_action))
                 opt.zero_grad()
                 losses.append(loss.item())
                 first = first or [p.to_local().detach().clone() for p in model.parameters()]
-            results[name] = (losses, first, [p.to_local().detach().clone() for p in model.parameters()])
+            results[name] = (losses, first, [p.to_local().detach().clone() for p in model.parameters()], norms)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -124,8 +167,8 @@ def _run_fsdp(dtype: torch.dtype, out: str, world: int = 2) -> dict[int, dict]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fsdp2_shards_stepped_in_backward_match_torch_adamw_and_the_steps_after_it(dtype, tmp_path) -> None:
     for rank, results in _run_fsdp(dtype, str(tmp_path)).items():
-        (ours_losses, ours_first, ours), (after_losses, _, after) = results["overlap"], results["after"]
-        torch_losses, ref_first, ref = results["torch"]
+        (ours_losses, ours_first, ours, _), (after_losses, _, after, _) = results["overlap"], results["after"]
+        torch_losses, ref_first, ref, torch_norms = results["torch"]
         assert ours_losses == after_losses, rank
         for a, b in zip(ours, after):
             assert torch.equal(a, b), rank  # the same kernel on the same shards, in backward or after it
@@ -146,3 +189,18 @@ def test_fsdp2_shards_stepped_in_backward_match_torch_adamw_and_the_steps_after_
                 _, exponent = torch.frexp(b.float())
                 ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float32), exponent - 8)
                 assert ((a.float() - b.float()).abs() <= 2 * ulp + lr * 2 ** -6).all(), rank
+
+
+def test_fsdp2_clipping_in_backward_takes_the_global_norm_across_ranks_and_redoes_exactly(tmp_path) -> None:
+    out = _run_fsdp(torch.float32, str(tmp_path))
+    for rank, results in out.items():
+        ours_losses, _, ours, ours_norms = results["overlap-clip"]
+        after_losses, _, after, after_norms = results["after-clip"]
+        assert ours_losses == after_losses, rank
+        assert [n for n, _ in ours_norms] == [n for n, _ in after_norms], rank
+        for a, b in zip(ours, after):
+            assert torch.equal(a, b), rank
+        assert [a for _, a in ours_norms] == ["redone"] * 4 and [a for _, a in after_norms] == ["clipped"] * 4
+        # The first step's norm is that of the same gradients under torch's clip_grad_norm_ (fp32 sums)
+        assert ours_norms[0][0] == pytest.approx(results["torch"][3][0], rel=1e-5)
+    assert out[0]["overlap-clip"][3] == out[1]["overlap-clip"][3]  # one norm for all ranks

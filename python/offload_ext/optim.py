@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .global_clip import Preserved, check_clippable, clip_scale, global_norm, local_sq
 from .ops import adamw_step
 from .overlap import InBackwardSteps
 from .stochastic_rounding import adamw_step_sr
@@ -79,8 +80,13 @@ class CPUAdamW(torch.optim.Optimizer):
     local shard.
     `overlap=True` steps each parameter in backward, on a worker thread, as soon as its gradient is final
     (offload_ext.overlap); `step()` waits for those and steps the parameters they did not reach. The
-    gradients are consumed by then: change them (clip them) only with overlap=False. With gradient
-    accumulation, run every backward but a step's last inside `with opt.no_overlap():`.
+    gradients are consumed by then: change them only with overlap=False. With gradient accumulation, run
+    every backward but a step's last inside `with opt.no_overlap():`.
+    `max_grad_norm` clips by the global norm (offload_ext.global_clip's rule: float64 sums, across ranks for
+    DTensor shards). With overlap, the steps in backward keep a copy of the state before them; `step()` takes
+    the norm and commits them, or redoes each from its copy with the scaled gradient (`last_clip_action`:
+    "committed" / "redone"; without overlap "unclipped" / "clipped"; `last_grad_norm`). The copies cost one
+    more parameter and both moments (and the fp32 master) per parameter, on the host.
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class CPUAdamW(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         sr_seed: int = 0,
         overlap: bool = False,
+        max_grad_norm: float | None = None,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -105,13 +112,23 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"CPUAdamW: max_grad_norm must be a positive number (or None: no clipping), got "
+                             f"{max_grad_norm!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         stochastic_rounding=stochastic_rounding)
         self.overlap: InBackwardSteps | None = None
         super().__init__(params, defaults)  # add_param_group checks (and with overlap, watches) each group
         self.sr_seed = sr_seed
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        self.last_clip_action: str | None = None
+        self._preserved = Preserved()
+        self._sq: dict[int, float] = {}  # id -> the local sum of squares a step in backward took
+        if max_grad_norm is not None:
+            check_clippable([p for _, p, _ in _all_params(self.param_groups)])
         if overlap:
-            self.overlap = InBackwardSteps(self._step_param)
+            self.overlap = InBackwardSteps(self._in_backward)
             for group, p, index in _all_params(self.param_groups):
                 self.overlap.watch(group, p, index)
 
@@ -165,10 +182,34 @@ class CPUAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = _closure_loss(closure)
         done = self.overlap.take_stepped() if self.overlap is not None else set()
-        for group, p, stream in _stepped(self.param_groups):
-            if id(p) not in done:
-                self._step_param(group, p, stream)
+        stepped = list(_stepped(self.param_groups))
+        if self.max_grad_norm is None:
+            for group, p, stream in stepped:
+                if id(p) not in done:
+                    self._step_param(group, p, stream)
+            return loss
+        sums = [self._sq.pop(id(p)) if id(p) in done else local_sq(p.grad) for _, p, _ in stepped]
+        self.last_grad_norm = global_norm(sums, [p for _, p, _ in stepped])
+        scale = clip_scale(self.last_grad_norm, self.max_grad_norm)
+        for group, p, stream in stepped:
+            if id(p) in done and scale == 1.0:
+                continue  # its step in backward stands
+            if id(p) in done:
+                self._preserved.restore(p, self.state[p])
+            if scale < 1.0:
+                _local(p.grad).mul_(scale)
+            self._step_param(group, p, stream)
+        clipped = scale < 1.0
+        self.last_clip_action = ("redone" if done else "clipped") if clipped else ("committed" if done else "unclipped")
         return loss
+
+    @torch.no_grad()
+    def _in_backward(self, group: dict[str, Any], p: torch.Tensor, stream: int) -> None:
+        """A step in backward; with clipping, the local sum of squares first and the state kept for a redo."""
+        if self.max_grad_norm is not None:
+            self._sq[id(p)] = local_sq(p.grad)
+            self._preserved.save(p, self._init_state(p, group))
+        self._step_param(group, p, stream)
 
     @torch.no_grad()
     def _step_param(self, group: dict[str, Any], p: torch.Tensor, stream: int) -> None:
