@@ -122,3 +122,12 @@ def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: 
             if norms is not None:
                 norms.append(off.last_grad_norm)
     return losses
+
+
+def free_port() -> int:
+    """A TCP port free now on localhost, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

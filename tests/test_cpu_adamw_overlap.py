@@ -6,7 +6,6 @@ import contextlib
 import copy
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import offload_ext
+from helpers import free_port
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -113,12 +113,6 @@ def test_a_second_backward_without_no_overlap_is_refused() -> None:
     assert [int(s["step"]) for s in opt.state.values()] == [1] * len(list(model.parameters()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -160,7 +154,7 @@ def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str)
 
 
 def _run_fsdp(dtype: torch.dtype, out: str, world: int = 2) -> dict[int, dict]:
-    mp.spawn(_fsdp_worker, args=(world, _free_port(), dtype, out), nprocs=world, join=True)
+    mp.spawn(_fsdp_worker, args=(world, free_port(), dtype, out), nprocs=world, join=True)
     return {rank: torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(world)}
 
 
@@ -204,3 +198,4 @@ def test_fsdp2_clipping_in_backward_takes_the_global_norm_across_ranks_and_redoe
         # The first step's norm is that of the same gradients under torch's clip_grad_norm_ (fp32 sums)
         assert ours_norms[0][0] == pytest.approx(results["torch"][3][0], rel=1e-5)
     assert out[0]["overlap-clip"][3] == out[1]["overlap-clip"][3]  # one norm for all ranks
+
