@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -134,6 +134,10 @@ for step in "${steps[@]}"; do
       # resident uncapped with full checkpointing
       run train_b2_kept python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_kept_24gb --modes "${B2_KEPT_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-aoff-ckptauto}" ;;
+    fsdp)  # issue 14: FSDP2 + CPUOffloadPolicy, torch AdamW after backward vs CPUAdamW(overlap=True), beside resident
+      # FSDP2, the 8B shape at 2 x 4096 on one GPU (FSDP_MODES: another list; FSDP_GPUS: ranks)
+      run fsdp torchrun --nproc-per-node "${FSDP_GPUS:-1}" benchmarks/bench_fsdp.py \
+        --modes "${FSDP_MODES:-offload-torch,offload-overlap,offload-torch-clip,offload-overlap-clip,resident}" ;;
     train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
       # show it does not fit), then the same offloaded run uncapped without activation offload
       run train_long_capped python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --gpu-cap-gb 24 \

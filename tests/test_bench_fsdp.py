@@ -1,0 +1,30 @@
+"""benchmarks/bench_fsdp.py on two gloo ranks of the CPU (a smoke run: the timings mean nothing): every mode
+builds its model on meta, trains, and gets a row with each rank's memory, the loss curves near each other."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import free_port
+
+SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+         "--vocab", "256", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1"]
+
+
+def test_bench_fsdp_runs_each_mode_on_two_cpu_ranks_and_writes_a_row_per_rank(tmp_path) -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    modes = "offload-torch,offload-overlap,offload-overlap-clip,resident"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", str(free_port()), str(bench / "bench_fsdp.py"), "--device", "cpu", *SHAPE,
+                    "--modes", modes, "--stem", str(tmp_path / "smoke")],  # an absolute stem: written there only
+                   check=True, cwd=bench, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    assert [per_rank[0]["mode"] for per_rank in rows] == modes.split(",")
+    assert all(len(per_rank) == 2 and all("error" not in r for r in per_rank) for per_rank in rows)
+    torch_losses, overlap_losses = rows[0][0]["losses"], rows[1][0]["losses"]
+    # bf16 parameters: the two AdamWs round differently, and three steps move the losses apart a little
+    assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(overlap_losses, torch_losses))
+    assert "offload-overlap" in (tmp_path / "smoke.md").read_text()
