@@ -4,8 +4,10 @@ its gradient is final (its post-accumulate-grad hook), while backward goes on pr
 The fused kernel releases the GIL and runs on the library's thread pool, so the step of one layer's
 parameters overlaps the autograd engine computing the layers below. Under FSDP2 the hook of a sharded
 parameter fires once its reduce-scatter has produced the local shard's gradient; with CPUOffloadPolicy
-torch copies that gradient to the host synchronously when a parameter has such a hook (it reads the
-gradient on the host), so the gradient a job reads has landed. A parameter whose hook did not fire this
+torch (2.14) copies that gradient to the host synchronously when a parameter has such a hook. Releases
+that copy it asynchronously would hand the hook a gradient still in flight, so a job whose host gradient
+may come from a GPU (CUDA is in use) first waits for the work the device was given before it: the copy
+among it. That wait is the worker's, not the launching thread's. A parameter whose hook did not fire this
 backward (no gradient, or a backward run under `no_overlap()`) is stepped by `step()` as without overlap.
 A worker's failure is re-raised by the next `wait()` (step, zero_grad, state_dict), never dropped.
 """
@@ -44,7 +46,12 @@ class InBackwardSteps:
                                "`with opt.no_overlap():` (or with FSDP2, set_requires_gradient_sync(False))")
         self._stepped.add(id(p))
         group, index = self._where[id(p)]
-        self._jobs.append(self._worker.submit(self._step_param, group, p, index))
+        self._jobs.append(self._worker.submit(self._job, group, p, index))
+
+    def _job(self, group: dict[str, Any], p: torch.Tensor, index: int) -> None:
+        if p.grad.device.type == "cpu" and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a gradient copied from the device has landed (see the header)
+        self._step_param(group, p, index)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
