@@ -1,0 +1,119 @@
+"""FSDP2 shards on two gloo processes of the CPU: a model built on the meta device gets each rank's shards from
+materialize_shards and trains as the same model built whole; CPUAdamW's sharded states go through
+torch.distributed.checkpoint and a resumed run continues identically."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import offload_ext
+from helpers import free_port
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 17))
+
+
+def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_ext.fsdp import materialize_shards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        source = dict(_model().named_parameters())  # the values a checkpoint would hold
+        runs = {}
+        for built in ("real", "meta"):
+            if built == "real":
+                model = _model()
+            else:
+                with torch.device("meta"):
+                    model = _model()
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if built == "meta":
+                materialize_shards(model, lambda name, dst: dst.copy_(source[name]), "cpu")
+            shards = [p.to_local().detach().clone() for p in model.parameters()]
+            opt = offload_ext.CPUAdamW(model.parameters(), overlap=True)
+            gen = torch.Generator().manual_seed(rank)
+            losses = []
+            for _ in range(3):
+                loss = model(torch.randn(4, 33, generator=gen)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            runs[built] = (shards, losses)
+        torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_built_on_meta_gets_each_ranks_shards_and_trains_as_one_built_whole(tmp_path) -> None:
+    mp.spawn(_meta_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        runs = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+        for a, b in zip(runs["meta"][0], runs["real"][0]):
+            assert torch.equal(a, b), rank
+        assert runs["meta"][1] == runs["real"][1], rank
+
+
+def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+
+        def sharded() -> tuple[nn.Module, offload_ext.CPUAdamW]:
+            model = _model()
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, offload_ext.CPUAdamW(model.parameters(), lr=1e-2, overlap=True, max_grad_norm=1.0)
+
+        def train(model: nn.Module, opt: offload_ext.CPUAdamW, seed: int) -> list[float]:
+            gen, losses = torch.Generator().manual_seed(seed + rank), []
+            for _ in range(2):
+                loss = model(torch.randn(4, 33, generator=gen)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+        model, opt = sharded()
+        train(model, opt, 0)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(out, "ckpt"))
+        continued = train(model, opt, 1)
+        model, opt = sharded()  # a fresh run resumed from the checkpoint
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(out, "ckpt"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        torch.save({"continued": continued, "resumed": train(model, opt, 1)}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_distributed_checkpoint_of_the_shards_and_their_states_resumes_identically(tmp_path) -> None:
+    mp.spawn(_dcp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        runs = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+        assert runs["resumed"] == runs["continued"], rank
