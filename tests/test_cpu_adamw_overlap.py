@@ -103,6 +103,21 @@ def test_clipping_in_backward_commits_or_redoes_exactly_the_rule(dtype, max_norm
     assert runs[True][3] == runs[False][3]
 
 
+def test_steps_in_backward_take_the_groups_a_loaded_state_dict_brings() -> None:
+    # load_state_dict replaces the groups: a step in backward must read the new ones (a schedule sets their lr)
+    model = _model()
+    opt = offload_ext.CPUAdamW(_groups(model), overlap=True)
+    _train(model, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 33)).pow(2).mean().backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
 def test_a_second_backward_without_no_overlap_is_refused() -> None:
     model = _model()
     opt = offload_ext.CPUAdamW(model.parameters(), overlap=True)

@@ -129,8 +129,8 @@ class CPUAdamW(torch.optim.Optimizer):
             check_clippable([p for _, p, _ in _all_params(self.param_groups)])
         if overlap:
             self.overlap = InBackwardSteps(self._in_backward)
-            for group, p, index in _all_params(self.param_groups):
-                self.overlap.watch(group, p, index)
+            for _, p, _ in _all_params(self.param_groups):
+                self.overlap.watch(p)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -139,10 +139,9 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
         for p in group["params"]:
             _check_param(p)
-        if self.overlap is not None:  # a group added after construction: its parameters count on from the others
-            first = sum(len(g["params"]) for g in self.param_groups[:-1])
-            for k, p in enumerate(group["params"]):
-                self.overlap.watch(group, p, first + k)
+        if self.overlap is not None:  # a group added after construction
+            for p in group["params"]:
+                self.overlap.watch(p)
 
     @contextlib.contextmanager
     def no_overlap(self) -> Iterator[None]:
@@ -203,9 +202,14 @@ class CPUAdamW(torch.optim.Optimizer):
         self.last_clip_action = ("redone" if done else "clipped") if clipped else ("committed" if done else "unclipped")
         return loss
 
+    def _locate(self, p: torch.Tensor) -> tuple[dict[str, Any], int]:
+        """p's group now and its index counting through the groups (its stochastic rounding stream)."""
+        return next((group, index) for group, q, index in _all_params(self.param_groups) if q is p)
+
     @torch.no_grad()
-    def _in_backward(self, group: dict[str, Any], p: torch.Tensor, stream: int) -> None:
+    def _in_backward(self, p: torch.Tensor) -> None:
         """A step in backward; with clipping, the local sum of squares first and the state kept for a redo."""
+        group, stream = self._locate(p)
         if self.max_grad_norm is not None:
             self._sq[id(p)] = local_sq(p.grad)
             self._preserved.save(p, self._init_state(p, group))

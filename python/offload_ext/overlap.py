@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -24,17 +23,17 @@ import torch
 class InBackwardSteps:
     """The hooks, the worker and what was stepped since the last `step()`."""
 
-    def __init__(self, step_param: Callable[[dict[str, Any], torch.Tensor, int], None]) -> None:
+    def __init__(self, step_param: Callable[[torch.Tensor], None]) -> None:
+        # step_param looks the parameter's group up when it runs: a loaded state dict replaces the groups
+        # (a resumed run's steps in backward once ran with the groups of before the load, their lr unscheduled)
         self._step_param = step_param
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="offload-ext-cpu-adamw")
         self._jobs: list[Future] = []
         self._stepped: set[int] = set()    # ids of the parameters stepped in this backward
-        self._where: dict[int, tuple[dict[str, Any], int]] = {}  # id -> (group, sr stream index)
         self._paused = 0
 
-    def watch(self, group: dict[str, Any], p: torch.Tensor, index: int) -> None:
-        """Step `p` with `group`'s hyperparameters as soon as its gradient is final."""
-        self._where[id(p)] = (group, index)
+    def watch(self, p: torch.Tensor) -> None:
+        """Step `p` as soon as its gradient is final."""
         p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -45,13 +44,12 @@ class InBackwardSteps:
                                "stepped on the first already; run every backward but a step's last inside "
                                "`with opt.no_overlap():` (or with FSDP2, set_requires_gradient_sync(False))")
         self._stepped.add(id(p))
-        group, index = self._where[id(p)]
-        self._jobs.append(self._worker.submit(self._job, group, p, index))
+        self._jobs.append(self._worker.submit(self._job, p))
 
-    def _job(self, group: dict[str, Any], p: torch.Tensor, index: int) -> None:
+    def _job(self, p: torch.Tensor) -> None:
         if p.grad.device.type == "cpu" and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # a gradient copied from the device has landed (see the header)
-        self._step_param(group, p, index)
+        self._step_param(p)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

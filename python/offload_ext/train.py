@@ -1,4 +1,5 @@
-"""offload-train: train a causal LM with CPU offload (or without, for comparison) on one device.
+"""offload-train: train a causal LM with CPU offload (or without, for comparison) on one device, or with
+--fsdp under torchrun on several (offload_ext.fsdp_trainer).
 
 With no arguments it runs an embedded default that needs no download: a small Llama config (tiny on a
 CPU), the Python standard library's own sources as text, and a BPE tokenizer trained on them in seconds.
@@ -123,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--device cuda where there is no GPU")
     ap.add_argument("--host-memory", default=None,
                     help="with --dry-run: plan for a host of this size (e.g. 125GB), all of it available")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="under torchrun: FSDP2 over the ranks (CPU offload on GPUs), CPUAdamW stepping each shard in "
+                         "backward, each rank its own batches, checkpoints gathered on rank 0")
     ap.add_argument("--out", default="runs/offload-train")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
@@ -145,6 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     entered = time.perf_counter()
     began = entered - seconds_since_process_start()  # metrics' elapsed_s: the interpreter and set-up count
     device, simulated = resolve_device(args)
+    if args.fsdp:
+        return _run_fsdp(args, device, simulated, began, entered)
     on_gpu = device.type == "cuda"
     if args.device == "auto" and not on_gpu and args.backend != "none":
         print("offload-train: no CUDA device: training on the CPU without offload (--backend none)", flush=True)
@@ -187,6 +193,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.remove(metrics_path)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
+
+
+def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, began: float,
+              entered: float) -> dict[str, Any]:
+    """offload-train --fsdp: the same data, schedule, metrics and checkpoints, over FSDP2's ranks."""
+    from .fsdp_trainer import FsdpTrainer, check_fsdp_args, init_process_group, rank_device
+
+    if simulated or args.backend != "native":
+        raise UsageError("--fsdp shards with FSDP2 and steps with CPUAdamW: drop --backend and --device cpu-sim "
+                         "(use --device cpu for gloo ranks on the CPU)")
+    check_fsdp_args(args)
+    init_process_group(device)
+    device = rank_device(device)
+    on_gpu = device.type == "cuda"
+    apply_defaults(args, on_gpu)
+    check_loss_args(args, device)
+    if dist_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    marks = [("start", began), ("imports", entered)]
+    try:
+        stream, tokenizer, vocab = build_stream(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    marks.append(("data", time.perf_counter()))
+    model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
+    marks.append(("model", time.perf_counter()))
+    trainer = FsdpTrainer(args, model, weights, device)
+    marks.append(("engine", time.perf_counter()))
+    _print_setup(marks, trainer)
+    start = trainer.load(stream) if args.resume else 0
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if dist_rank() == 0 and not args.resume and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    world = torch.distributed.get_world_size()
+    summary = _loop(args, trainer, stream, tokenizer, start, metrics_path,
+                    args.batch_size * args.seq_len * args.grad_accum * world, on_gpu, began)
+    torch.distributed.destroy_process_group()
+    return summary
+
+
+def dist_rank() -> int:
+    """This process's rank (0 outside a process group): rank 0 alone writes metrics and prints."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _with_lora(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
@@ -259,6 +310,8 @@ def seconds_since_process_start() -> float:
 
 
 def _print_setup(marks: list[tuple[str, float]], trainer: Trainer) -> None:
+    if dist_rank() != 0:
+        return
     phases = [f"{name} {t - marks[k][1]:.1f} s" for k, (name, t) in enumerate(marks[1:])]
     if trainer.off is not None:
         phases[-1] += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in trainer.off.setup_seconds.items()) + ")"
@@ -274,9 +327,10 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     traced: list[Timeline] = []
     losses, rates = [], []
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    lead = dist_rank() == 0
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
-               disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1")
-    with open(metrics_path, "a") as metrics:
+               disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
+    with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
             if args.trace and trainer.off is not None and k == _TRACED[0]:
                 traced.append(timeline.enter_context(trainer.off.trace()))
@@ -294,7 +348,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
             if k == _TRACED[-1]:
                 timeline.close()
                 _write_timeline(traced, args.out)
-            if (step + 1) % args.log_every == 0:
+            if lead and (step + 1) % args.log_every == 0:
                 row = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": rate, "gpu_mem_gb": mem,
                        "elapsed_s": time.perf_counter() - began}
                 if trainer.last_grad_norm is not None:
@@ -317,9 +371,10 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
                "final_loss": losses[-1] if losses else None, "tokens_per_s": float(np.median(steady)),
                "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0, "out": args.out}
-    print(f"offload-train: done {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
-          f"{summary['tokens_per_s']:,.0f} tok/s (median), GPU peak {summary['gpu_peak_gb']:.2f} GB, "
-          f"checkpoint in {os.path.join(args.out, 'checkpoint')}", flush=True)
+    if lead:
+        print(f"offload-train: done {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
+              f"{summary['tokens_per_s']:,.0f} tok/s (median), GPU peak {summary['gpu_peak_gb']:.2f} GB, "
+              f"checkpoint in {os.path.join(args.out, 'checkpoint')}", flush=True)
     return summary
 
 
