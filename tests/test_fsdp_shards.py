@@ -19,9 +19,28 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 17))
 
 
+def _shard(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int, steps: int) -> list[float]:
+    gen, losses = torch.Generator().manual_seed(seed), []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 33, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from offload_ext.fsdp import materialize_shards
 
@@ -37,32 +56,24 @@ def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
             else:
                 with torch.device("meta"):
                     model = _model()
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            _shard(model, mesh)
             if built == "meta":
                 materialize_shards(model, lambda name, dst: dst.copy_(source[name]), "cpu")
             shards = [p.to_local().detach().clone() for p in model.parameters()]
-            opt = offload_ext.CPUAdamW(model.parameters(), overlap=True)
-            gen = torch.Generator().manual_seed(rank)
-            losses = []
-            for _ in range(3):
-                loss = model(torch.randn(4, 33, generator=gen)).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            runs[built] = (shards, losses)
+            runs[built] = (shards, _train(model, offload_ext.CPUAdamW(model.parameters(), overlap=True), rank, 3))
         torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _spawn(worker, out) -> list[dict]:
+    """Run worker(rank, 2, port, out) on two processes; what each saved as out/rank<r>.pt."""
+    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(2)]
+
+
 def test_a_model_built_on_meta_gets_each_ranks_shards_and_trains_as_one_built_whole(tmp_path) -> None:
-    mp.spawn(_meta_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        runs = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+    for rank, runs in enumerate(_spawn(_meta_worker, tmp_path)):
         for a, b in zip(runs["meta"][0], runs["real"][0]):
             assert torch.equal(a, b), rank
         assert runs["meta"][1] == runs["real"][1], rank
@@ -72,7 +83,6 @@ def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -80,22 +90,11 @@ def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
 
         def sharded() -> tuple[nn.Module, offload_ext.CPUAdamW]:
-            model = _model()
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = _shard(_model(), mesh)
             return model, offload_ext.CPUAdamW(model.parameters(), lr=1e-2, overlap=True, max_grad_norm=1.0)
 
         def train(model: nn.Module, opt: offload_ext.CPUAdamW, seed: int) -> list[float]:
-            gen, losses = torch.Generator().manual_seed(seed + rank), []
-            for _ in range(2):
-                loss = model(torch.randn(4, 33, generator=gen)).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            return losses
+            return _train(model, opt, seed + 10 * rank, 2)
 
         model, opt = sharded()
         train(model, opt, 0)
@@ -113,7 +112,5 @@ def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_a_distributed_checkpoint_of_the_shards_and_their_states_resumes_identically(tmp_path) -> None:
-    mp.spawn(_dcp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        runs = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+    for rank, runs in enumerate(_spawn(_dcp_worker, tmp_path)):
         assert runs["resumed"] == runs["continued"], rank

@@ -164,16 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--backend native: the native extension is not available ({_ext.error()}); "
                              "reinstall with `pip install --no-build-isolation .`, or use --backend python")
     os.makedirs(args.out, exist_ok=True)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    # The set-up's phases, printed once (issue 12's "first step within N s"), from the process's start: the
-    # interpreter and the imports before run() (torch's among them) are the first.
-    marks = [("start", began), ("imports", entered)]
-    try:
-        stream, tokenizer, vocab = build_stream(args)
-    except ValueError as exc:  # bad data arguments: the message names the flag and the fix
-        raise UsageError(str(exc)) from exc
-    marks.append(("data", time.perf_counter()))
+    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
@@ -195,6 +186,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
 
 
+def _seed_and_data(args: argparse.Namespace, began: float,
+                   entered: float) -> tuple[list[tuple[str, float]], data_mod.TokenStream, Any, int]:
+    """Seed Python's and numpy's RNGs, build the token stream; the set-up's phase marks so far. The phases are
+    printed once (issue 12's "first step within N s"), from the process's start: the interpreter and the
+    imports before run() (torch's among them) are the first."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    marks = [("start", began), ("imports", entered)]
+    try:
+        stream, tokenizer, vocab = build_stream(args)
+    except ValueError as exc:  # bad data arguments: the message names the flag and the fix
+        raise UsageError(str(exc)) from exc
+    marks.append(("data", time.perf_counter()))
+    return marks, stream, tokenizer, vocab
+
+
 def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, began: float,
               entered: float) -> dict[str, Any]:
     """offload-train --fsdp: the same data, schedule, metrics and checkpoints, over FSDP2's ranks."""
@@ -211,14 +218,7 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     check_loss_args(args, device)
     if dist_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    marks = [("start", began), ("imports", entered)]
-    try:
-        stream, tokenizer, vocab = build_stream(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    marks.append(("data", time.perf_counter()))
+    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
     trainer = FsdpTrainer(args, model, weights, device)
