@@ -118,6 +118,7 @@ class CPUAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         stochastic_rounding=stochastic_rounding)
         self.overlap: InBackwardSteps | None = None
+        self._located: tuple[list, tuple, dict] | None = None  # _locate's map and the groups it was made from
         super().__init__(params, defaults)  # add_param_group checks (and with overlap, watches) each group
         self.sr_seed = sr_seed
         self.max_grad_norm = max_grad_norm
@@ -203,8 +204,16 @@ class CPUAdamW(torch.optim.Optimizer):
         return loss
 
     def _locate(self, p: torch.Tensor) -> tuple[dict[str, Any], int]:
-        """p's group now and its index counting through the groups (its stochastic rounding stream)."""
-        return next((group, index) for group, q, index in _all_params(self.param_groups) if q is p)
+        """p's group now and its index counting through the groups (its stochastic rounding stream). The map
+        is made again when the groups are no longer the ones it was made from (load_state_dict replaces
+        them, add_param_group adds one): a scan per parameter per step held the GIL for O(n^2) lookups."""
+        groups = self.param_groups
+        made = self._located
+        if made is None or made[0] is not groups or len(made[1]) != len(groups) or \
+                any(a is not b for a, b in zip(made[1], groups)):
+            where = {id(q): (group, index) for group, q, index in _all_params(groups)}
+            made = self._located = (groups, tuple(groups), where)
+        return made[2][id(p)]
 
     @torch.no_grad()
     def _in_backward(self, p: torch.Tensor) -> None:
