@@ -4,11 +4,11 @@ stepping each shard in backward, beside GPU-resident FSDP2; per-step time, tok/s
 Run under torchrun (one process per GPU; `--device cpu` runs gloo processes on the CPU, a smoke run of the
 script whose timings mean nothing). The model (Llama, B2 = Llama-3.1-8B's shape by default, random weights)
 is built on the meta device, each decoder layer and the root fully_shard'ed, and each rank's shards are
-filled by offload_ext.fsdp.materialize_shards from pre-drawn random blocks: no rank ever holds the
-unsharded model. Every mode: bf16 parameters, activation checkpointing of every layer, HF's own loss (through
-the root module's forward, which FSDP2 hooks), AdamW betas (0.9, 0.999), eps 1e-8, no weight decay; `-clip`
-adds clipping at max_grad_norm 1.0 (torch: clip_grad_norm_ before the step; CPUAdamW: max_grad_norm=, its
-global norm).
+filled by offload_ext.fsdp.materialize_shards with bench_train's weights (pre-drawn random blocks, by
+parameter name): no rank ever holds the unsharded model. Every mode: bf16 parameters, activation
+checkpointing of every layer, HF's own loss (through the root module's forward, which FSDP2 hooks), AdamW
+betas (0.9, 0.999), eps 1e-8, no weight decay; `-clip` adds clipping at max_grad_norm 1.0 (torch:
+clip_grad_norm_ before the step; CPUAdamW: max_grad_norm=, its global norm).
 
 Modes: resident (FSDP2 on the GPUs, torch's fused AdamW there), offload-torch (CPUOffloadPolicy,
 torch.optim.AdamW on the CPU shards after backward: FSDP2's own path), offload-overlap (CPUOffloadPolicy,
@@ -21,7 +21,6 @@ CPUAdamW(overlap=True)); each with an optional -clip.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import time
@@ -34,12 +33,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 import offload_ext
 from _common import HostMemoryLog, write_results
+from bench_train import TiledWeights
 from offload_ext.fsdp import materialize_shards
 from offload_ext.layers import enable_activation_checkpointing
-from offload_ext.weights import parameters_on_meta, tile_random
+from offload_ext.weights import parameters_on_meta
 
 SHAPE = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=2, seq=4096)
-_BLOCK = 1 << 24
 BETAS, EPS, MAX_NORM = (0.9, 0.999), 1e-8, 1.0
 
 
@@ -56,24 +55,7 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-class RandomFill:
-    """Each parameter's values by name: matrices tiled from one pre-drawn N(0, 0.02) block from a generator
-    seeded by the name (every rank and mode gets the same values), norms ones, as HF's init."""
-
-    def __init__(self) -> None:
-        self.block = torch.randn(_BLOCK, generator=torch.Generator().manual_seed(0)).mul_(0.02).bfloat16()
-
-    def __call__(self, name: str, dst: torch.Tensor) -> None:
-        if dst.dim() < 2:
-            dst.fill_(1.0)
-            return
-        seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
-        flat = torch.empty(dst.numel(), dtype=torch.bfloat16)
-        tile_random(flat, self.block, torch.Generator().manual_seed(seed))
-        dst.copy_(flat.view(dst.shape))
-
-
-def build(a: argparse.Namespace, offload: bool, mesh: Any, fill: RandomFill) -> torch.nn.Module:
+def build(a: argparse.Namespace, offload: bool, mesh: Any) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
@@ -86,6 +68,7 @@ def build(a: argparse.Namespace, offload: bool, mesh: Any, fill: RandomFill) -> 
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
+    weights = TiledWeights(model, cfg.initializer_range)  # bench_train's values, by parameter name
     enable_activation_checkpointing(model)
     policy = dict(offload_policy=CPUOffloadPolicy()) if offload and a.device == "cuda" else {}
     for layer in model.model.layers:
@@ -93,7 +76,7 @@ def build(a: argparse.Namespace, offload: bool, mesh: Any, fill: RandomFill) -> 
     fully_shard(model, mesh=mesh, **policy)
     # CPU offload: the shards live on the host; resident: on this rank's GPU
     where = "cpu" if offload or a.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    materialize_shards(model, fill, where)
+    materialize_shards(model, weights.fill_named, where)
     return model
 
 
@@ -112,13 +95,13 @@ def _sync(a: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(mode: str, a: argparse.Namespace, mesh: Any, fill: RandomFill, memory: HostMemoryLog) -> dict[str, Any]:
+def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog) -> dict[str, Any]:
     if a.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     memory.label(mode)
     t0 = time.perf_counter()
-    model = build(a, mode.startswith("offload"), mesh, fill)
+    model = build(a, mode.startswith("offload"), mesh)
     opt = optimizer(mode, model, a)
     setup = time.perf_counter() - t0
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
@@ -153,11 +136,11 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     mesh = init_device_mesh(a.device, (dist.get_world_size(),))
-    fill, memory = RandomFill(), HostMemoryLog(os.devnull)
+    memory = HostMemoryLog(os.devnull)
     rows = []
     for mode in a.modes.split(","):
         try:
-            row = run_mode(mode, a, mesh, fill, memory)
+            row = run_mode(mode, a, mesh, memory)
         except torch.OutOfMemoryError as e:
             row = {"mode": mode, "error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
         per_rank = [None] * dist.get_world_size()

@@ -182,8 +182,14 @@ class TiledWeights:
             self.names.setdefault(id(p), name)
 
     def fill(self, param: torch.nn.Parameter, dst: torch.Tensor) -> None:
-        name = self.names[id(param)]
-        if param.dim() > 1:
+        self._fill(self.names[id(param)], param.dim() > 1, dst)  # dst may be the parameter's flat span
+
+    def fill_named(self, name: str, dst: torch.Tensor) -> None:
+        """The values of the parameter of this name into a tensor of its shape (materialize_shards' fill)."""
+        self._fill(name, dst.dim() > 1, dst)
+
+    def _fill(self, name: str, matrix: bool, dst: torch.Tensor) -> None:
+        if matrix:
             seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
             tile_random(dst.view(-1), self.block, torch.Generator().manual_seed(seed))
         else:
