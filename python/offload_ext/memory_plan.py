@@ -29,7 +29,7 @@ from .backends.sizes import (
     python_host_need,
 )
 from .grad_path import sums_on_device
-from .kept_layers import checkpointed_count
+from .kept_layers import CHECKPOINTING, checkpointed_count
 from .layout import GroupOf, Layout, hedged_units, plan_layout, speculative_units
 from .step_policy import StepPolicy
 
@@ -89,8 +89,9 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
                         sums_on_device(s.accumulate_on_device, s.grad_accum, layout.parts, device, free_device))
     spec = speculative_units(layout) if policy.speculative else frozenset()
     hedged = hedged_units(layout) if policy.speculative else frozenset()
-    ckpt = s.activation_checkpointing  # checked once the layout is known (check_checkpointing)
-    kept = ckpt in ("none", "auto") or (type(ckpt) is int and bool(layout.stacks) and ckpt < layout.fewest_stack_layers)
+    ckpt, n = s.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
+    # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
+    kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
     return EngineChoices(layout, policy, s.grad_slots, spec, hedged, kept)
 
 
