@@ -1,7 +1,9 @@
 """Tiny models and reference training for the Offloader tests."""
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -131,3 +133,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_mesh(rank: int, world: int, port: int) -> Iterator:
+    """A gloo process group of `world` CPU ranks (this one `rank`) and its 1-D device mesh, torn down on exit."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_linears(model: nn.Module, mesh) -> nn.Module:
+    """fully_shard each Linear of a Sequential, then the whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

@@ -9,12 +9,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 import offload_ext
-from helpers import free_port
+from helpers import free_port, gloo_mesh, shard_linears
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -129,20 +128,10 @@ def test_a_second_backward_without_no_overlap_is_refused() -> None:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_mesh(rank, world, port) as mesh:
         results = {}
         for name in ("torch", "after", "overlap", "after-clip", "overlap-clip"):
-            model = _model(dtype)
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = shard_linears(_model(dtype), mesh)
             if name == "torch":
                 opt = torch.optim.AdamW(_groups(model), foreach=False)
             else:
@@ -164,8 +153,6 @@ def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str)
                 first = first or [p.to_local().detach().clone() for p in model.parameters()]
             results[name] = (losses, first, [p.to_local().detach().clone() for p in model.parameters()], norms)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_fsdp(dtype: torch.dtype, out: str, world: int = 2) -> dict[int, dict]:

@@ -6,26 +6,16 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 import offload_ext
-from helpers import free_port
+from helpers import free_port, gloo_mesh, shard_linears
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 17))
-
-
-def _shard(model: nn.Module, mesh) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int, steps: int) -> list[float]:
@@ -40,14 +30,9 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int, steps: int) 
 
 
 def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     from offload_ext.fsdp import materialize_shards
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_mesh(rank, world, port) as mesh:
         source = dict(_model().named_parameters())  # the values a checkpoint would hold
         runs = {}
         for built in ("real", "meta"):
@@ -56,14 +41,12 @@ def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
             else:
                 with torch.device("meta"):
                     model = _model()
-            _shard(model, mesh)
+            shard_linears(model, mesh)
             if built == "meta":
                 materialize_shards(model, lambda name, dst: dst.copy_(source[name]), "cpu")
             shards = [p.to_local().detach().clone() for p in model.parameters()]
             runs[built] = (shards, _train(model, offload_ext.CPUAdamW(model.parameters(), overlap=True), rank, 3))
         torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(worker, out) -> list[dict]:
@@ -82,15 +65,11 @@ def test_a_model_built_on_meta_gets_each_ranks_shards_and_trains_as_one_built_wh
 def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_mesh(rank, world, port) as mesh:
 
         def sharded() -> tuple[nn.Module, offload_ext.CPUAdamW]:
-            model = _shard(_model(), mesh)
+            model = shard_linears(_model(), mesh)
             return model, offload_ext.CPUAdamW(model.parameters(), lr=1e-2, overlap=True, max_grad_norm=1.0)
 
         def train(model: nn.Module, opt: offload_ext.CPUAdamW, seed: int) -> list[float]:
@@ -107,8 +86,6 @@ def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
         dcp.load(state, checkpoint_id=os.path.join(out, "ckpt"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.save({"continued": continued, "resumed": train(model, opt, 1)}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_distributed_checkpoint_of_the_shards_and_their_states_resumes_identically(tmp_path) -> None:
