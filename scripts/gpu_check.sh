@@ -135,8 +135,12 @@ for step in "${steps[@]}"; do
       run train_b2_kept python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_kept_24gb --modes "${B2_KEPT_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-aoff-ckptauto}" ;;
     fsdp)  # issue 14: FSDP2 + CPUOffloadPolicy, torch AdamW after backward vs CPUAdamW(overlap=True), beside resident
-      # FSDP2, the 8B shape at 2 x 4096 on one GPU (FSDP_MODES: another list; FSDP_GPUS: ranks)
-      run fsdp torchrun --nproc-per-node "${FSDP_GPUS:-1}" benchmarks/bench_fsdp.py \
+      # FSDP2, the 8B shape at 2 x 4096 on one GPU (FSDP_MODES: another list; FSDP_GPUS: ranks; FSDP_ARGS: more flags,
+      # e.g. "--steps 3 --warmup 1"). First the installed FSDP2's handling of a CPU-offloaded gradient with a hook.
+      grep -n "post_accumulate\|non_blocking" "$(python3 -c 'import torch.distributed.fsdp._fully_shard._fsdp_collectives as m; print(m.__file__)')" \
+        > "$OUT/fsdp_collectives_grep.txt" 2>&1
+      # shellcheck disable=SC2086  # FSDP_ARGS: words
+      run fsdp torchrun --nproc-per-node "${FSDP_GPUS:-1}" benchmarks/bench_fsdp.py ${FSDP_ARGS:-} \
         --modes "${FSDP_MODES:-offload-torch,offload-overlap,offload-torch-clip,offload-overlap-clip,resident}" ;;
     train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
       # show it does not fit), then the same offloaded run uncapped without activation offload
