@@ -127,6 +127,24 @@ def test_a_second_backward_without_no_overlap_is_refused() -> None:
     assert [int(s["step"]) for s in opt.state.values()] == [1] * len(list(model.parameters()))
 
 
+def test_a_host_that_cannot_hold_the_state_kept_for_redos_is_refused_before_any_state_exists(monkeypatch) -> None:
+    # 2^20 bf16 parameters: moments 4.2 MB, the state kept for a redo (param and moments) 6.3 MB more. A host of
+    # 11 MB (9.6 MB available: an eighth is headroom) holds the moments but not both.
+    params = [nn.Parameter(torch.zeros(1 << 20, dtype=torch.bfloat16))]
+    monkeypatch.setenv("OFFLOAD_EXT_HOST_MEMORY", "11MB")
+    with pytest.raises(MemoryError, match=r"CPUAdamW: the host buffers need 0\.0 GB .*overlap=False"):
+        offload_ext.CPUAdamW(params, overlap=True, max_grad_norm=1.0)
+    for fits in (dict(overlap=True), dict(max_grad_norm=1.0), dict(overlap=True, max_grad_norm=1.0, host="16MB")):
+        monkeypatch.setenv("OFFLOAD_EXT_HOST_MEMORY", fits.pop("host", "11MB"))  # 16 MB: 14 MB available
+        opt = offload_ext.CPUAdamW(params, **fits)
+        assert not opt.state  # the check allocated nothing
+        if opt.overlap is not None:
+            opt.overlap.close()
+    monkeypatch.setenv("OFFLOAD_EXT_HOST_MEMORY", "2MB")
+    with pytest.raises(MemoryError, match="CPUAdamW: the host buffers need"):  # the moments alone do not fit
+        offload_ext.CPUAdamW(params)
+
+
 def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
     with gloo_mesh(rank, world, port) as mesh:
         results = {}

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .backends.sizes import Alternative, HostBlock, HostNeed, available_host_bytes, check_host_memory
 from .global_clip import Preserved, check_clippable, clip_scale, global_norm, local_sq
 from .ops import adamw_step
 from .overlap import InBackwardSteps
@@ -128,10 +129,40 @@ class CPUAdamW(torch.optim.Optimizer):
         self._sq: dict[int, float] = {}  # id -> the local sum of squares a step in backward took
         if max_grad_norm is not None:
             check_clippable([p for _, p, _ in _all_params(self.param_groups)])
+        self._check_host_memory(overlap)
         if overlap:
             self.overlap = InBackwardSteps(self._in_backward)
             for _, p, _ in _all_params(self.param_groups):
                 self.overlap.watch(p)
+
+    def _host_need(self, overlap: bool) -> HostNeed:
+        """The host memory this optimizer will allocate: the states its parameters do not have yet and, when
+        steps in backward may be redone (overlap with clipping), the copy of each parameter's state before
+        its step (the parameter, both moments and the master)."""
+        state_bytes = preserved = 0
+        for group, p, _ in _all_params(self.param_groups):
+            local = _local(p.detach())
+            master = self._uses_master(p, group)
+            moment_size = 4 if master else local.element_size()
+            own = local.numel() * (2 * moment_size + (4 if master else 0))
+            if not self.state.get(p):
+                state_bytes += own
+            preserved += own + local.numel() * local.element_size()
+        blocks = [HostBlock("moments and masters", state_bytes, False)]
+        if overlap and self.max_grad_norm is not None:
+            blocks.append(HostBlock("state kept for a clipped redo", preserved, False))
+        return HostNeed(tuple(blocks))
+
+    def _check_host_memory(self, overlap: bool) -> None:
+        """Refuse, before any state exists, what this host cannot hold (the kernel would kill the process in
+        the middle of a backward instead), naming the numbers and what needs less."""
+        need = self._host_need(overlap)
+        alternatives = []
+        if len(need.blocks) > 1:
+            alternatives = [Alternative("overlap=False (clipping after backward, nothing kept for a redo)",
+                                        need.blocks[0].nbytes),
+                            Alternative("max_grad_norm=None (no clipping)", need.blocks[0].nbytes)]
+        check_host_memory(need, available_host_bytes(), alternatives, who="CPUAdamW")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

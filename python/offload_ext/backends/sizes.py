@@ -298,7 +298,7 @@ def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumula
 
 
 def check_host_memory(need: HostNeed, available: int | None, alternatives: Sequence[Alternative] = (),
-                      pinning: str = "") -> None:
+                      pinning: str = "", who: str = "Offloader") -> None:
     """Refuse, before anything is allocated (or, `pinning` saying so, before the pageable part is), host
     buffers this machine cannot hold (the alternative is the kernel killing the process halfway through),
     naming the numbers and what would need less, with its figure and whether that fits."""
@@ -306,6 +306,6 @@ def check_host_memory(need: HostNeed, available: int | None, alternatives: Seque
         return
     fixes = [a.describe(need.total, available) for a in alternatives] + ["a smaller model"]
     done = pinning or "nothing was allocated"
-    raise MemoryError(f"Offloader: the host buffers need {need.total / _GB:.1f} GB ({need.pinned / _GB:.1f} GB "
+    raise MemoryError(f"{who}: the host buffers need {need.total / _GB:.1f} GB ({need.pinned / _GB:.1f} GB "
                       f"pinned, {need.pageable / _GB:.1f} GB pageable) but this machine has {available / _GB:.1f} GB "
                       f"available (MemAvailable less an eighth of MemTotal); {done}. Options: {'; '.join(fixes)}")
