@@ -136,17 +136,16 @@ class CPUAdamW(torch.optim.Optimizer):
                 self.overlap.watch(p)
 
     def _host_need(self, overlap: bool) -> HostNeed:
-        """The host memory this optimizer will allocate: the states its parameters do not have yet and, when
-        steps in backward may be redone (overlap with clipping), the copy of each parameter's state before
-        its step (the parameter, both moments and the master)."""
+        """The host memory this optimizer will allocate (at construction no state exists yet): each parameter's
+        moments and master and, when steps in backward may be redone (overlap with clipping), the copy of each
+        parameter's state before its step (the parameter, both moments and the master)."""
         state_bytes = preserved = 0
         for group, p, _ in _all_params(self.param_groups):
             local = _local(p.detach())
             master = self._uses_master(p, group)
             moment_size = 4 if master else local.element_size()
             own = local.numel() * (2 * moment_size + (4 if master else 0))
-            if not self.state.get(p):
-                state_bytes += own
+            state_bytes += own
             preserved += own + local.numel() * local.element_size()
         blocks = [HostBlock("moments and masters", state_bytes, False)]
         if overlap and self.max_grad_norm is not None:
