@@ -147,7 +147,6 @@ def main() -> None:
             row = run_mode(mode, a, mesh, memory)
         except (torch.OutOfMemoryError, MemoryError) as e:  # MemoryError: CPUAdamW's host check, nothing allocated
             row = {"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-            gc.collect()
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, row)
         rows.append(per_rank)
