@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -142,6 +142,13 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086  # FSDP_ARGS: words
       run fsdp torchrun --nproc-per-node "${FSDP_GPUS:-1}" benchmarks/bench_fsdp.py ${FSDP_ARGS:-} \
         --modes "${FSDP_MODES:-offload-torch,offload-overlap,offload-torch-clip,offload-overlap-clip,resident}" ;;
+    train-fsdp)  # issue 14: offload-train --fsdp under torchrun on FSDP_GPUS ranks, the 1B shape, stopped half way and resumed
+      export OFFLOAD_TRAIN_NO_BAR=1
+      fsdp_train=(torchrun --nproc-per-node "${FSDP_GPUS:-1}" --no-python offload-train --fsdp --model llama-1b
+        --batch-size 4 --seq-len 2048 --steps 8 --lr 1e-4 --warmup-steps 2 --max-grad-norm 1.0 --out /tmp/run_fsdp)
+      run train_fsdp_a "${fsdp_train[@]}" --stop-after 4
+      run train_fsdp_b "${fsdp_train[@]}" --resume
+      cp /tmp/run_fsdp/metrics.jsonl "$OUT/metrics_fsdp.jsonl" ;;
     train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
       # show it does not fit), then the same offloaded run uncapped without activation offload
       run train_long_capped python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --gpu-cap-gb 24 \

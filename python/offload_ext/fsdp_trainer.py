@@ -21,7 +21,7 @@ from .layers import enable_activation_checkpointing
 from .optim import CPUAdamW
 from .param_groups import build_groups
 from .train_setup import UsageError
-from .trainer import lr_factor, no_decay_patterns
+from .trainer import lr_factor, mark_phase, no_decay_patterns
 from .weights import WeightSource
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
@@ -109,21 +109,26 @@ class FsdpTrainer:
     def lr(self) -> float:
         return self.opt.param_groups[0]["lr"]
 
-    def train_step(self, stream: data_mod.TokenStream) -> float:
+    def train_step(self, stream: data_mod.TokenStream, phases: dict[str, float] | None = None) -> float:
+        """One step over the ranks; the mean loss. `phases`: as Trainer.train_step's."""
         a, batches = self.args, RankBatches(stream)
         total = 0.0
+        mark_phase(phases, self.device, "_start")
         for k in range(a.grad_accum):
             last = k == a.grad_accum - 1
             self.model.set_requires_gradient_sync(last)  # earlier micro-batches: no reduce-scatter, no step
             batch = batches.next_batch().to(self.device)
             with contextlib.nullcontext() if last else self.opt.no_overlap():
                 loss = self.model(input_ids=batch, labels=batch).loss / a.grad_accum  # through the root: FSDP2's hooks
+                mark_phase(phases, self.device, "forward")
                 loss.backward()
             total += loss.item()
+            mark_phase(phases, self.device, "backward")
         self.opt.step()
         self.last_grad_norm, self.last_clip_action = self.opt.last_grad_norm, self.opt.last_clip_action
         self.opt.zero_grad(set_to_none=True)
         self.schedule.step()
+        mark_phase(phases, self.device, "step", last=True)
         # the mean over the ranks' losses, as one model's loss over the whole batch
         mean = torch.tensor([total], dtype=torch.float64)
         dist.all_reduce(mean)

@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ from .train_setup import (
     resolve_device,
 )
 from .trainer import Trainer, offloader_kwargs
-from .weights import from_config_empty
+from .weights import WeightSource, from_config_empty
 
 
 def _checkpointing(value: str) -> str | int:
@@ -164,20 +165,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--backend native: the native extension is not available ({_ext.error()}); "
                              "reinstall with `pip install --no-build-isolation .`, or use --backend python")
     os.makedirs(args.out, exist_ok=True)
-    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
-    model, weights = build_model(args, vocab, device)
-    marks.append(("model", time.perf_counter()))
-    model = _with_lora(args, model)
-    if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
-        memory = _plan(args, model, device)
-        if not memory.fits:
-            raise UsageError(memory.refusal())
-    try:
-        trainer = Trainer(args, model, device, simulated, weights)
-    except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
-        raise UsageError(str(exc)) from exc
-    marks.append(("engine", time.perf_counter()))
-    _print_setup(marks, trainer)
+    marks = _seed(args, began, entered)
+    if args.dataset == data_mod.EMBEDDED:  # nothing of the user's to check in the data: it overlaps the engine
+        model, weights = _built_model(args, planned_vocab(args), device, marks, on_gpu or simulated)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            data = pool.submit(_timed_data, args)
+            trainer = _trainer(args, model, device, simulated, weights)
+            stream, tokenizer, vocab, data_s = data.result()
+        marks.append(("engine", time.perf_counter()))
+        _check_vocab(model, vocab)
+        _print_setup(marks, trainer, overlapped=("data", data_s))
+    else:
+        stream, tokenizer, vocab, _ = _timed_data(args)
+        marks.append(("data", time.perf_counter()))
+        model, weights = _built_model(args, vocab, device, marks, on_gpu or simulated)
+        trainer = _trainer(args, model, device, simulated, weights)
+        marks.append(("engine", time.perf_counter()))
+        _print_setup(marks, trainer)
     start = trainer.load(stream) if args.resume else 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if not args.resume and os.path.exists(metrics_path):
@@ -186,20 +190,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
 
 
-def _seed_and_data(args: argparse.Namespace, began: float,
-                   entered: float) -> tuple[list[tuple[str, float]], data_mod.TokenStream, Any, int]:
-    """Seed Python's and numpy's RNGs, build the token stream; the set-up's phase marks so far. The phases are
-    printed once (issue 12's "first step within N s"), from the process's start: the interpreter and the
-    imports before run() (torch's among them) are the first."""
+def _seed(args: argparse.Namespace, began: float, entered: float) -> list[tuple[str, float]]:
+    """Seed Python's and numpy's RNGs; the set-up's first phase marks. The phases are printed once (issue 12's
+    "first step within N s"), from the process's start: the interpreter and the imports before run() (torch's
+    among them) are the first."""
     random.seed(args.seed)
     np.random.seed(args.seed)
-    marks = [("start", began), ("imports", entered)]
+    return [("start", began), ("imports", entered)]
+
+
+def _timed_data(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int, float]:
+    """The token stream, the tokenizer, its vocabulary size, and the seconds it took to make them."""
+    t0 = time.perf_counter()
     try:
         stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
-    marks.append(("data", time.perf_counter()))
-    return marks, stream, tokenizer, vocab
+    return stream, tokenizer, vocab, time.perf_counter() - t0
+
+
+def _built_model(args: argparse.Namespace, vocab: int, device: torch.device, marks: list[tuple[str, float]],
+                 check_memory: bool) -> tuple[torch.nn.Module, WeightSource | None]:
+    """The model (LoRA added) and its weight source, after the whole memory check of an offloaded run."""
+    model, weights = build_model(args, vocab, device)
+    marks.append(("model", time.perf_counter()))
+    model = _with_lora(args, model)
+    if args.backend != "none" and check_memory:  # activations included; nothing allocated yet
+        memory = _plan(args, model, device)
+        if not memory.fits:
+            raise UsageError(memory.refusal())
+    return model, weights
+
+
+def _trainer(args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool,
+             weights: WeightSource | None) -> Trainer:
+    try:
+        return Trainer(args, model, device, simulated, weights)
+    except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
+        raise UsageError(str(exc)) from exc
+
+
+def _check_vocab(model: torch.nn.Module, vocab: int) -> None:
+    """The embedded tokenizer is trained to the planned size the model was built with; never more."""
+    room = model.get_input_embeddings().num_embeddings
+    if vocab > room:
+        raise UsageError(f"the trained tokenizer has {vocab} tokens but the model was built for {room}")
 
 
 def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, began: float,
@@ -218,7 +253,9 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     check_loss_args(args, device)
     if dist_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
+    marks = _seed(args, began, entered)
+    stream, tokenizer, vocab, _ = _timed_data(args)
+    marks.append(("data", time.perf_counter()))
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
     trainer = FsdpTrainer(args, model, weights, device)
@@ -309,12 +346,17 @@ def seconds_since_process_start() -> float:
         return 0.0
 
 
-def _print_setup(marks: list[tuple[str, float]], trainer: Trainer) -> None:
+def _print_setup(marks: list[tuple[str, float]], trainer: Trainer,
+                 overlapped: tuple[str, float] | None = None) -> None:
+    """One line of phases; `overlapped` (name, seconds) ran on a thread beside the last phase."""
     if dist_rank() != 0:
         return
     phases = [f"{name} {t - marks[k][1]:.1f} s" for k, (name, t) in enumerate(marks[1:])]
-    if trainer.off is not None:
-        phases[-1] += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in trainer.off.setup_seconds.items()) + ")"
+    inner = [f"{k} {v:.1f} s" for k, v in trainer.off.setup_seconds.items()] if trainer.off is not None else []
+    if overlapped is not None:
+        inner.append(f"{overlapped[0]} {overlapped[1]:.1f} s beside it")
+    if inner:
+        phases[-1] += " (" + ", ".join(inner) + ")"
     print(f"offload-train: set-up {marks[-1][1] - marks[0][1]:.1f} s: " + ", ".join(phases), flush=True)
 
 
@@ -336,10 +378,15 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                 traced.append(timeline.enter_context(trainer.off.trace()))
             lr = trainer.lr
             t0 = time.perf_counter()
-            loss = trainer.train_step(stream)
+            phases: dict[str, float] | None = {} if k == 0 else None  # the first step's warm-up, by phase
+            loss = trainer.train_step(stream, phases)
             if on_gpu:
                 torch.cuda.synchronize()
             rate = tokens_per_step / (time.perf_counter() - t0)
+            if phases is not None and lead:
+                print(f"offload-train: first step {tokens_per_step / rate:.1f} s, "
+                      + ", ".join(f"{name} {v:.2f} s" for name, v in phases.items())
+                      + f"; done {time.perf_counter() - began:.1f} s after the process started", flush=True)
             mem = torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0
             losses.append(loss)
             rates.append(rate)

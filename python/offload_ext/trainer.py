@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import random
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -45,6 +46,21 @@ def lr_factor(args: argparse.Namespace, step: int) -> float:
         return (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str, last: bool = False) -> None:
+    """Adds the seconds since the previous mark to phases[name], the device synchronized first (nothing when
+    `phases` is None); the first mark's name is only a start; `last` drops the running mark."""
+    if phases is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    if "_mark" in phases:
+        phases[name] = phases.get(name, 0.0) + now - phases["_mark"]
+    phases["_mark"] = now
+    if last:
+        del phases["_mark"]
 
 
 class Trainer:
@@ -110,37 +126,47 @@ class Trainer:
             self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed",
                                 stochastic_rounding=a.precision == "bf16-sr", sr_seed=a.seed)
 
-    def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None]) -> float:
-        """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss."""
+    def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None],
+                       phases: dict[str, float] | None) -> float:
+        """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss.
+        `phases` gets the seconds of forwards and backwards, the device synchronized between them."""
         a = self.args
         total = 0.0
         for _ in range(a.grad_accum):
             batch = stream.next_batch().to(self.device)
             loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
             loss = loss / a.grad_accum
+            mark_phase(phases, self.device, "forward")
             backward(loss)
             total += loss.item()
+            mark_phase(phases, self.device, "backward")
         return total
+
 
     @property
     def lr(self) -> float:
         """The learning rate of the coming step (set by the schedule)."""
         return self.optimizer.param_groups[0]["lr"]
 
-    def train_step(self, stream: data_mod.TokenStream) -> float:
+    def train_step(self, stream: data_mod.TokenStream, phases: dict[str, float] | None = None) -> float:
+        """One optimizer step; its summed loss. With `phases` (a dict), the step is timed by phase
+        (forward, backward, step, in seconds; the device synchronized at each boundary): offload-train does
+        it for its first step, where the warm-up is."""
         a = self.args
+        mark_phase(phases, self.device, "_start")
         if self.off is not None:
-            total = self._micro_batches(stream, self.off.backward)
+            total = self._micro_batches(stream, self.off.backward, phases)
             self.off.step()
             self.last_grad_norm = self.off.last_grad_norm
             self.last_clip_action = self.off.last_clip_action
         else:
-            total = self._micro_batches(stream, torch.Tensor.backward)
+            total = self._micro_batches(stream, torch.Tensor.backward, phases)
             if a.max_grad_norm is not None:
                 self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm))
             self.opt.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
+        mark_phase(phases, self.device, "step", last=True)
         return total
 
     # ------------------------------------------------------------------ checkpoints
