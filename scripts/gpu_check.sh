@@ -126,12 +126,16 @@ for step in "${steps[@]}"; do
       run train_recipes python3 benchmarks/bench_train.py --stem train_b1_recipes --modes \
         "${RECIPE_MODES:-$recipes}${RECIPE_EXTRA:+,$RECIPE_EXTRA}" ;;
     train-kept)  # issue 13: B1 without recompute beside resident without checkpointing; auto and all under 24 GB
+      # (train-kept and train-b2-kept: every mode with expandable segments unless PYTORCH_CUDA_ALLOC_CONF says
+      # otherwise, as offload-train sets them for kept layers)
+      export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
       run train_kept python3 benchmarks/bench_train.py --stem train_b1_kept --modes \
         "${KEPT_MODES:-resident,resident-ckptnone,native-bf16,native-bf16-ckptnone,native-bf16-g6-ckptnone,native-bf16-r4-ckptnone}"
       run train_kept_capped python3 benchmarks/bench_train.py --stem train_b1_kept_24gb --gpu-cap-gb 24 --modes \
         "${KEPT_CAPPED_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-ckpt8}" ;;
     train-b2-kept)  # issue 13: the 8B shape under the 24 GB cap with auto (and with activation offload too) beside
       # resident uncapped with full checkpointing
+      export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
       run train_b2_kept python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
         --stem train_b2_kept_24gb --modes "${B2_KEPT_MODES:-resident,native-bf16,native-bf16-ckptauto,native-bf16-aoff-ckptauto}" ;;
     fsdp)  # issue 14: FSDP2 + CPUOffloadPolicy, torch AdamW after backward vs CPUAdamW(overlap=True), beside resident

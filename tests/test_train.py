@@ -283,3 +283,21 @@ def test_lora_fine_tunes_a_pretrained_model_resumes_and_saves_an_adapter_peft_lo
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
     loaded = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert loaded and any(p.abs().sum() > 0 for p in loaded.values())  # B starts at zero: it was trained
+
+
+@pytest.mark.parametrize("checkpointing, user, expected", [
+    ("auto", None, "expandable_segments:True"),
+    ("none", None, "expandable_segments:True"),
+    ("all", None, None),
+    ("auto", "expandable_segments:False", "expandable_segments:False"),
+])
+def test_kept_layers_get_expandable_segments_unless_the_user_set_the_allocator(tmp_path, monkeypatch, checkpointing,
+                                                                               user, expected) -> None:
+    if user is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    budget = ["--gpu-memory-budget", "1GB"] if checkpointing == "auto" else []  # the simulated device has no allocator
+    train.main(["--device", "cpu-sim", "--activation-checkpointing", checkpointing, *budget,
+                "--out", str(tmp_path / "o"), "--dry-run"])
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
