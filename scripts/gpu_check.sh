@@ -85,7 +85,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
     test) run test python3 -m pytest -q -rs tests ;;
-    test-gpu) run test_gpu python3 -m pytest -q -rs -m gpu tests ;;
+    test-gpu) run test_gpu python3 -m pytest -q -rs -m gpu ${TEST_K:+-k "$TEST_K"} tests ;;  # TEST_K: a -k selection
     train-1b)  # issue 4: offload-train on the 1B shape, interrupted half way and resumed
       export OFFLOAD_TRAIN_NO_BAR=1
       run train_1b_a offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --stop-after 12 \
