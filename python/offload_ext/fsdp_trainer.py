@@ -130,7 +130,7 @@ class FsdpTrainer:
         self.schedule.step()
         mark_phase(phases, self.device, "step", last=True)
         # the mean over the ranks' losses, as one model's loss over the whole batch
-        mean = torch.tensor([total], dtype=torch.float64)
+        mean = torch.tensor([total], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(mean)
         return float(mean[0]) / dist.get_world_size()
 
