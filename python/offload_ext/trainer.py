@@ -142,7 +142,6 @@ class Trainer:
             mark_phase(phases, self.device, "backward")
         return total
 
-
     @property
     def lr(self) -> float:
         """The learning rate of the coming step (set by the schedule)."""
