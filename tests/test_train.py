@@ -293,10 +293,9 @@ def test_lora_fine_tunes_a_pretrained_model_resumes_and_saves_an_adapter_peft_lo
 ])
 def test_kept_layers_get_expandable_segments_unless_the_user_set_the_allocator(tmp_path, monkeypatch, checkpointing,
                                                                                user, expected) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user or "")  # recorded, so the setting under test is undone
     if user is None:
-        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    else:
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     budget = ["--gpu-memory-budget", "1GB"] if checkpointing == "auto" else []  # the simulated device has no allocator
     train.main(["--device", "cpu-sim", "--activation-checkpointing", checkpointing, *budget,
                 "--out", str(tmp_path / "o"), "--dry-run"])

@@ -36,7 +36,7 @@ from .train_setup import (
     resolve_device,
 )
 from .trainer import Trainer, offloader_kwargs
-from .weights import WeightSource, from_config_empty
+from .weights import from_config_empty
 
 
 def _checkpointing(value: str) -> str | int:
@@ -165,13 +165,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "reinstall with `pip install --no-build-isolation .`, or use --backend python")
     os.makedirs(args.out, exist_ok=True)
     # One phase after another: tokenizing the corpus on a thread while the engine page-locked its buffers made
-    # both slower (8 B: data 9.0 s, page-locking 17.1 s, against 2.5 and 6.1 alone; the tokenizer's allocations
-    # hold the address space's lock that every page fault waits for).
-    marks = _seed(args, began, entered)
-    stream, tokenizer, vocab = _data(args)
-    marks.append(("data", time.perf_counter()))
-    model, weights = _built_model(args, vocab, device, marks, on_gpu or simulated)
-    trainer = _trainer(args, model, device, simulated, weights)
+    # both slower (8 B: data 9.0 s, page-locking 17.1 s, against 2.5 and 6.1 alone; run 53).
+    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
+    model, weights = build_model(args, vocab, device)
+    marks.append(("model", time.perf_counter()))
+    model = _with_lora(args, model)
+    if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
+        memory = _plan(args, model, device)
+        if not memory.fits:
+            raise UsageError(memory.refusal())
+    try:
+        trainer = Trainer(args, model, device, simulated, weights)
+    except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
+        raise UsageError(str(exc)) from exc
     marks.append(("engine", time.perf_counter()))
     _print_setup(marks, trainer)
     start = trainer.load(stream) if args.resume else 0
@@ -182,42 +188,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
 
 
-def _seed(args: argparse.Namespace, began: float, entered: float) -> list[tuple[str, float]]:
-    """Seed Python's and numpy's RNGs; the set-up's first phase marks. The phases are printed once (issue 12's
-    "first step within N s"), from the process's start: the interpreter and the imports before run() (torch's
-    among them) are the first."""
+def _seed_and_data(args: argparse.Namespace, began: float,
+                   entered: float) -> tuple[list[tuple[str, float]], data_mod.TokenStream, Any, int]:
+    """Seed Python's and numpy's RNGs, build the token stream; the set-up's phase marks so far. The phases are
+    printed once (issue 12's "first step within N s"), from the process's start: the interpreter and the
+    imports before run() (torch's among them) are the first."""
     random.seed(args.seed)
     np.random.seed(args.seed)
-    return [("start", began), ("imports", entered)]
-
-
-def _data(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int]:
-    """The token stream, the tokenizer and its vocabulary size."""
+    marks = [("start", began), ("imports", entered)]
     try:
-        return build_stream(args)
+        stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
         raise UsageError(str(exc)) from exc
-
-
-def _built_model(args: argparse.Namespace, vocab: int, device: torch.device, marks: list[tuple[str, float]],
-                 check_memory: bool) -> tuple[torch.nn.Module, WeightSource | None]:
-    """The model (LoRA added) and its weight source, after the whole memory check of an offloaded run."""
-    model, weights = build_model(args, vocab, device)
-    marks.append(("model", time.perf_counter()))
-    model = _with_lora(args, model)
-    if args.backend != "none" and check_memory:  # activations included; nothing allocated yet
-        memory = _plan(args, model, device)
-        if not memory.fits:
-            raise UsageError(memory.refusal())
-    return model, weights
-
-
-def _trainer(args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool,
-             weights: WeightSource | None) -> Trainer:
-    try:
-        return Trainer(args, model, device, simulated, weights)
-    except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
-        raise UsageError(str(exc)) from exc
+    marks.append(("data", time.perf_counter()))
+    return marks, stream, tokenizer, vocab
 
 
 def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, began: float,
@@ -236,9 +220,7 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     check_loss_args(args, device)
     if dist_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-    marks = _seed(args, began, entered)
-    stream, tokenizer, vocab = _data(args)
-    marks.append(("data", time.perf_counter()))
+    marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
     trainer = FsdpTrainer(args, model, weights, device)
