@@ -7,10 +7,11 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-whole][-sync][-recipe] (precision bf16,
-bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
+A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe] (precision
+bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
 threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
-the GPU), whole for host steps not sliced (one unit at a time, as
+the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
+host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
 speculative_clip=False, aoff for activation_offload=True, hostsum for accumulate_on_device=False
 (micro-batches summed on the host; by default on the GPU when the sums fit). The recipe suffixes, on
@@ -87,7 +88,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, rN, whole, sync, nospec, aoff, hostsum
+    options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
     lora: int | None = None        # LoRA rank
@@ -264,7 +265,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
                                 speculative_clip="nospec" not in mode.options,
                                 accumulate_on_device=False if "hostsum" in mode.options else None,
-                                resident_layers=mode.option("r") or 0, weights=weights,
+                                resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
+                                weights=weights,
                                 activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options)
     return model, off, None
 

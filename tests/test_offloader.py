@@ -852,14 +852,17 @@ def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_ho
     # This machine "has" the host memory of the plan less three and a half layers' second buffers (6 bytes
     # per trainable parameter in bf16): the lowest speculative layers are dropped until it fits.
     per_layer = sum(p.numel() for p in base.model.layers[0].parameters())
-    plan = offload_ext.Offloader(copy.deepcopy(base), backend="native", device="cpu", max_grad_norm=1e-3)
+    # (No redos on the device: their units' moments would be page-locked, which the arithmetic below leaves out.)
+    plan = offload_ext.Offloader(copy.deepcopy(base), backend="native", device="cpu", max_grad_norm=1e-3,
+                                 device_redo_layers=0)
     stats = plan.stats()
     plan.close()
     pinned = 8 * 2 * (2 * per_layer + (8 << 10))  # each layer's params and its kept gradient
     monkeypatch.setattr(sizes, "available_host_bytes", lambda: pinned + stats["host_in_use"] - 21 * per_layer)
     model = copy.deepcopy(base)
     with pytest.warns(UserWarning, match=r"second buffers for \d of 8 speculative units"):
-        off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=1e-3)
+        off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=1e-3,
+                                    device_redo_layers=0)
     jobs = _host_jobs(off, model, data)
     off.close()
     speculated = sorted(u for u, names in jobs.items() if "speculative step" in names)
@@ -886,6 +889,69 @@ def test_a_redo_on_a_slow_host_with_late_copies_is_still_exact(precision) -> Non
     off.close()
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device_redo_layers, piece", [(0, None), (1, None), (3, None), (3, 777)])
+def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_layers, piece, monkeypatch) -> None:
+    # When clipping triggers, the top layers are redone on the (simulated) device from the state before their
+    # speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
+    # redos meet speculative steps queued (dropped), running (waited for) and done. Norm weights without
+    # weight decay make two groups per layer; pieces of 777 elements cut through them.
+    from offload_ext import device_redo
+
+    if piece is not None:
+        monkeypatch.setattr(device_redo, "REDO_PIECE", piece)
+    base, data = tiny_llama(layers=4), batches(6)
+    exact_norms: list[float] = []
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, max_grad_norm=0.5, norms=exact_norms,
+                                               exact_clip=True, group_of=_norms_exempt)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=0.5,
+                                slice_elements=5000, device_redo_layers=device_redo_layers, no_decay=("norm",))
+    testing.delayed_copies(off, 3000)
+    testing.slow_host_steps(off, 3000)
+    norms: list[float] = []
+    assert offloaded_training(off, model, data[:-1], norms=norms) == ref_losses[:-1]
+    testing.settle(off)
+    with off.trace() as timeline:
+        assert offloaded_training(off, model, data[-1:], norms=norms) == ref_losses[-1:]
+    assert norms == pytest.approx(exact_norms, rel=1e-12) and off.last_clip_action == "redone"
+    assert off.stats()["device_redos"] == device_redo_layers * len(data)
+    redone_on_host = {u for lane, name, _, _, u in timeline.events if lane == "host step" and "(redo)" in name}
+    assert not redone_on_host & set(range(4 - device_redo_layers, 4)), redone_on_host
+    off.close()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot() -> None:
+    model = tiny_llama(layers=6)
+    clip = dict(backend="native", device="cpu", max_grad_norm=1.0)
+    chosen = offload_ext.Offloader(copy.deepcopy(model), **clip)
+    assert chosen.stats()["device_redos"] == 0 and testing.device_redo_units(chosen) == {4, 5}  # a third
+    chosen.close()
+    for kw in (dict(precision="mixed"), dict(grad_accum=2), dict(speculative_clip=False), dict(precision="bf16-sr")):
+        off = offload_ext.Offloader(copy.deepcopy(model), **clip, **kw)
+        assert not testing.device_redo_units(off), kw
+        off.close()
+        with pytest.raises(ValueError, match="device_redo_layers > 0 needs speculative clipping"):
+            offload_ext.Offloader(copy.deepcopy(model), **clip, **kw, device_redo_layers=2)
+    with pytest.raises(ValueError, match=r"device_redo_layers must be None \(chosen\) or an int in \[0, 6\]"):
+        offload_ext.Offloader(copy.deepcopy(model), **clip, device_redo_layers=7)
+
+
+def test_device_redo_units_have_their_moments_page_locked_in_the_plan() -> None:
+    from offload_ext.backends.sizes import NativeHostPlan
+
+    sizes = ((1000, 900),) * 4
+    plain = NativeHostPlan.choose("bf16", sizes, speculative_units=frozenset(range(4)))
+    redo = NativeHostPlan.choose("bf16", sizes, speculative_units=frozenset(range(4)), device_redo_units=frozenset({3}))
+    moved = sum(b.nbytes for b in redo.pinned_blocks()) - sum(b.nbytes for b in plain.pinned_blocks())
+    assert moved > 0 and moved == sum(b.nbytes for b in plain.pageable_blocks()) - sum(
+        b.nbytes for b in redo.pageable_blocks())
+    moments = [b for b in redo.pinned_blocks() if b.what == "moments"]
+    assert len(moments) == 2 and moved == 4 * moments[0].nbytes  # both moments and both second moments
+    assert redo.need().total == plain.need().total
 
 
 @pytest.mark.parametrize("speculative", [True, False])

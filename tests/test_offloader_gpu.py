@@ -111,7 +111,8 @@ class TransferHeavy(nn.Module):
 
 
 def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_us: int = 0,
-                          slice_elements: int | None = None, **kw) -> tuple[list[float], dict]:
+                          slice_elements: int | None = None, stats: dict | None = None,
+                          **kw) -> tuple[list[float], dict]:
     model = TransferHeavy()
     off = offload_ext.Offloader(model, lr=1e-3, backend=backend, device="cuda", slice_elements=slice_elements, **kw)
     if delay:
@@ -127,6 +128,8 @@ def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_
         off.step()
         losses.append(loss.item())
     weights = off.model_state_dict()
+    if stats is not None:
+        stats.update(off.stats())
     off.close()
     return losses, weights
 
@@ -150,6 +153,20 @@ def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() ->
     losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=10_000)
     assert losses == sync_losses
     _assert_same_weights(sync_weights, weights)
+
+
+def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_host_redos() -> None:
+    # Clipping triggers every step: the top half's redos run in the CUDA kernel, from state copied in on a
+    # side stream, while copies stall at random and the host is slow; the host redoing everything is the
+    # reference, bit for bit.
+    clip = dict(max_grad_norm=1e-4, steps=6)
+    host_losses, host_weights = _train_transfer_heavy("native", delay=False, device_redo_layers=0, **clip)
+    stats: dict = {}
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=2000, device_redo_layers=4,
+                                            stats=stats, **clip)
+    assert stats["device_redos"] == 4 * 6
+    assert losses == host_losses
+    _assert_same_weights(host_weights, weights)
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])

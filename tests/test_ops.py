@@ -1,7 +1,7 @@
 """torch.library.opcheck on every native op: schema mutation annotations, fake kernels, autograd registration
-and AOT dispatch; on the CPU always, on CUDA (the cross-entropy and sum-of-squares kernels) where a GPU is
-present. Then the sum of squares against an exact reference, and the bf16-sr stores against the
-torch-op rule, bit for bit."""
+and AOT dispatch; on the CPU always, on CUDA (the AdamW, cross-entropy and sum-of-squares kernels) where a GPU
+is present. Then the CUDA AdamW step against the CPU kernel's bits, the sum of squares against an exact
+reference, and the bf16-sr stores against the torch-op rule, bit for bit."""
 from __future__ import annotations
 
 import math
@@ -37,6 +37,93 @@ def test_adamw_step_passes_opcheck(mode: str) -> None:
     if mode == "bf16-sr":  # sr_seed, sr_stream, sr_offset
         args += (7, 2, 1 << 33)
     torch.library.opcheck(torch.ops.offload_ext.adamw_step.default, args)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, but a NaN's sign and payload: in fp32 they follow whichever operand the hardware
+    propagates (bf16 stores canonicalize NaN, as c10::BFloat16 does)."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a[~nan].view(view), b[~nan].view(view))
+
+
+def _adamw_span(mode: str, n: int, device: str, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    """A span's tensors for adamw_step: `mode` bf16, mixed (bf16 grad) or mixed-fp32grad. The values span
+    what a step meets: zeros, denormals, large magnitudes, a NaN and infinities among random ones."""
+    gen = torch.Generator().manual_seed(seed)
+    state = torch.bfloat16 if mode == "bf16" else torch.float32
+    grad = torch.randn(n, generator=gen) * 3
+    grad[:6] = torch.tensor([0.0, -0.0, 1e-40, -3e38, float("nan"), float("inf")])
+    param = torch.randn(n, generator=gen)
+    param[6:9] = torch.tensor([0.0, 1e-39, -2e30])
+    exp_avg = torch.randn(n, generator=gen) * 1e-2
+    exp_avg_sq = torch.rand(n, generator=gen) * 1e-3
+    exp_avg_sq[9:11] = torch.tensor([0.0, 1e-41])
+    return {"param": param.to(device, state), "exp_avg": exp_avg.to(device, state),
+            "exp_avg_sq": exp_avg_sq.to(device, state),
+            "grad": grad.to(device, torch.float32 if mode == "mixed-fp32grad" else torch.bfloat16),
+            "param_out": torch.empty(n, dtype=torch.bfloat16, device=device) if mode != "bf16" else None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["bf16", "mixed", "mixed-fp32grad"])
+def test_adamw_step_passes_opcheck_on_cuda(mode: str) -> None:
+    t = _adamw_span(mode, 1000, "cuda")
+    scale = 1.0 if mode == "mixed-fp32grad" else 0.37
+    args = (t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], t["param_out"], 1e-3, 0.9, 0.999, 1e-8, 0.01, 3,
+            None, 0, 0, scale)
+    torch.library.opcheck(torch.ops.offload_ext.adamw_step.default, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["bf16", "mixed", "mixed-fp32grad"])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.3718])
+@pytest.mark.parametrize("weight_decay, step", [(0.0, 1), (0.1, 7)])
+@pytest.mark.parametrize("n", [1, 1000, 300_001])
+def test_adamw_step_on_cuda_gives_the_cpu_kernels_bits(mode: str, grad_scale: float, weight_decay: float, step: int,
+                                                       n: int) -> None:
+    # The device redo of a clipped step (offload_ext.device_redo) stands in for the host's: it must be the
+    # same arithmetic, not merely close.
+    if mode == "mixed-fp32grad" and grad_scale != 1.0:
+        pytest.skip("grad_scale is for bf16 grads")
+    cpu, cuda = _adamw_span(mode, n, "cpu", seed=n), _adamw_span(mode, n, "cuda", seed=n)
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay, step=step,
+                 grad_scale=grad_scale)
+    for t in (cpu, cuda):
+        ops.adamw_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], param_out=t["param_out"], **hyper)
+    torch.cuda.synchronize()
+    for name in ("param", "exp_avg", "exp_avg_sq", "param_out"):
+        if cpu[name] is not None:
+            assert _same_bits(cpu[name], cuda[name].cpu()), name
+
+
+@pytest.mark.parametrize("mode", ["bf16", "mixed"])
+def test_a_scaled_gradient_steps_as_its_product_rounded_to_bf16(mode: str) -> None:
+    # torch.nn.utils.clip_grad_norm_ multiplies a bf16 .grad by the coefficient in place: bf16(grad * coef).
+    a, b = _adamw_span(mode, 5000, "cpu"), _adamw_span(mode, 5000, "cpu")
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=4)
+    ops.adamw_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], param_out=a["param_out"], grad_scale=0.3718,
+                   **hyper)
+    ops.adamw_step(b["param"], b["grad"].mul(0.3718), b["exp_avg"], b["exp_avg_sq"], param_out=b["param_out"],
+                   **hyper)
+    for name in ("param", "exp_avg", "exp_avg_sq", "param_out"):
+        if a[name] is not None:
+            assert _same_bits(a[name], b[name]), name
+
+
+def test_adamw_step_refuses_a_scale_it_cannot_apply_exactly() -> None:
+    t = _adamw_span("mixed-fp32grad", 20, "cpu")
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(RuntimeError, match="grad_scale applies to a bf16 grad"):
+        ops.adamw_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], grad_scale=0.5, **hyper)
+    b = _adamw_span("bf16", 20, "cpu")
+    for bad in (float("inf"), -0.5):
+        with pytest.raises(RuntimeError, match="expected a finite grad_scale >= 0"):
+            ops.adamw_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], grad_scale=bad, **hyper)
 
 
 @pytest.mark.parametrize("device", DEVICES)

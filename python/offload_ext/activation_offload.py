@@ -7,8 +7,8 @@ on a side stream as soon as the layer has read it; the device copy is then free.
 input comes back on that stream when its backward begins, and the next one down is started at once, so at
 most two inputs are on the device during backward (double-buffered) while the copies overlap the
 recompute. The host slots (one per layer position, reused every step) bound the host memory to one input
-per checkpointed layer. The side stream has the lowest priority, as the engine's own copy streams do today:
-PCIe is shared by the order copies are issued in, not yet by priority (a higher one for the weights is a lead).
+per checkpointed layer. The side stream has the lowest priority and the engine's weight and gradient copy
+streams the highest, so where both have work queued the weights the next layer needs go first.
 
 The checkpoint is torch's reentrant rule (recompute under grad, then a nested backward into the same
 parameters), with the RNG state of the forward restored for the recompute, as torch.utils.checkpoint does.

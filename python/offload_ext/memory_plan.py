@@ -28,9 +28,10 @@ from .backends.sizes import (
     python_alternatives,
     python_host_need,
 )
+from .device_redo import REDO_SETS, redo_piece
 from .grad_path import sums_on_device
 from .kept_layers import CHECKPOINTING, checkpointed_count
-from .layout import GroupOf, Layout, hedged_units, plan_layout, speculative_units
+from .layout import GroupOf, Layout, device_redo_units, hedged_units, plan_layout, speculative_units
 from .step_policy import StepPolicy
 
 _GB = 1e9
@@ -59,6 +60,7 @@ class EngineChoices:
     speculative_units: frozenset[int]
     hedged_units: frozenset[int]
     kept_layers: bool  # some streamed layers may run without recompute
+    device_redo_units: frozenset[int] = frozenset()  # their clipped redos run on the device
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
@@ -75,7 +77,8 @@ class EngineChoices:
         """The backend's keyword arguments these choices fix."""
         return dict(grad_slots=self.grad_slots, accumulate=self.policy.accumulates,
                     grad_accum=self.policy.host_grad_accum, speculative_units=self.speculative_units,
-                    hedged_units=self.hedged_units, kept_layers=self.kept_layers)
+                    hedged_units=self.hedged_units, kept_layers=self.kept_layers,
+                    device_redo_units=self.device_redo_units)
 
 
 def choose(model: nn.Module, settings: Settings, device: torch.device, group_of: GroupOf,
@@ -92,7 +95,29 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
     ckpt, n = s.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
     # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
     kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
-    return EngineChoices(layout, policy, s.grad_slots, spec, hedged, kept)
+    redo = device_redo_units(layout, device_redo_per_stack(s, policy.speculative, n)) & hedged
+    return EngineChoices(layout, policy, s.grad_slots, spec, hedged, kept, redo)
+
+
+def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> int:
+    """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
+    micro-batches (each layer's gradient kept on the host) in "bf16" (the CUDA kernel has no stochastic
+    rounding; "mixed" would copy 14 bytes a parameter in). None: a third of each stack, where it applies
+    (B1, run 51: the host redoes a layer in ~8.2 ms, the device's copies of one take ~9-10 ms, while the next
+    forward waits for the lowest layers first: split so that both sides finish together)."""
+    applies = speculative and s.grad_accum == 1 and s.precision == "bf16"
+    asked = s.device_redo_layers
+    if asked is None:
+        return stack_layers // 3 if applies else 0
+    if type(asked) is not int or not 0 <= asked <= stack_layers:
+        raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
+                         f"(layers of the shortest stack), got {asked!r}")
+    if asked and not applies:
+        raise ValueError("Offloader: device_redo_layers > 0 needs speculative clipping of single micro-batches in "
+                         "bf16 (max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1, "
+                         f"precision='bf16'); got precision={s.precision!r}, grad_accum={s.grad_accum}, "
+                         f"speculative={speculative}: pass device_redo_layers=None or 0")
+    return asked
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -116,7 +141,8 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
     if backend == "native":
         asked = NativeHostPlan.choose(precision, sizes, own, grad_slots=choices.grad_slots,
                                       accumulate=choices.policy.accumulates, speculative_units=spec,
-                                      grad_accum=choices.policy.host_grad_accum, kept_layers=choices.kept_layers)
+                                      grad_accum=choices.policy.host_grad_accum, kept_layers=choices.kept_layers,
+                                      device_redo_units=choices.device_redo_units & spec)
         fitted = asked.fitted(available)
         counts = (len(fitted.speculative_units), len(asked.speculative_units)) if asked.speculative_units else None
         return HostPlan(fitted.need(), tuple(fitted.alternatives()), counts)
@@ -235,6 +261,7 @@ class DeviceFacts:
     checkpointed: int        # layers whose input is kept through forward (streamed and resident)
     largest_param: int       # numel of the largest trainable parameter inside a layer
     kept: int = 0            # layers run without recompute, their saved tensors kept (kept_layer_bytes each)
+    device_redo: int = 0     # bytes of the device's buffers for clipped redos (offload_ext.device_redo)
 
     @classmethod
     def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False,
@@ -267,7 +294,14 @@ class DeviceFacts:
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
                    ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   layout.stack_layers - no_recompute, largest_param, no_recompute)
+                   layout.stack_layers - no_recompute, largest_param, no_recompute,
+                   0 if frozen else redo_buffer_bytes(layout, choices.device_redo_units))
+
+
+def redo_buffer_bytes(layout: Layout, units: frozenset[int]) -> int:
+    """offload_ext.device_redo's buffers for these units: REDO_SETS sets of four bf16 pieces."""
+    largest = max((u.trainable_numel for part in layout.stacks for u in part.units if u.index in units), default=0)
+    return REDO_SETS * 4 * 2 * redo_piece(largest)
 
 
 def _state_bytes(precision: str) -> int:
@@ -327,7 +361,8 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("their optimizer state" + kind, state * f.outer_trainable),
               ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
               (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
-              ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers)]
+              ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers),
+              ("clipped redos on the device (two pieces of params, moments, gradients)", f.device_redo)]
     if cuda:
         static.append(("cuBLAS workspace", CUBLAS_WORKSPACE))
     accumulating = choices.policy.grad_accum > 1
@@ -404,6 +439,7 @@ class Settings:
     speculative_clip: bool = True
     accumulate_on_device: bool | None = None
     resident_layers: int = 0
+    device_redo_layers: int | None = None  # see device_redo_per_stack
     batch_size: int | None = None
     seq_len: int | None = None
     loss_chunk_tokens: int = 4096

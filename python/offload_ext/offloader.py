@@ -84,6 +84,11 @@ class Offloader(torch.optim.Optimizer):
     less 5 % and 1 GiB; on the simulated device the kept layers' saved bytes). See offload_ext.kept_layers.
     activation_offload: the input each checkpointed layer keeps waits in pinned host memory between its
     forward and its backward (offload_ext.activation_offload).
+
+    device_redo_layers: with speculative clipping in "bf16" (one micro-batch a step), when clipping triggers
+    the top N layers of each stack are redone on the device while the host redoes the rest
+    (offload_ext.device_redo); None: a third of each stack. Their moments are page-locked, and the device
+    holds two layers' params, moments and gradients for it.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class Offloader(torch.optim.Optimizer):
         speculative_clip: bool = True,
         accumulate_on_device: bool | None = None,
         resident_layers: int = 0,
+        device_redo_layers: int | None = None,
         weights: WeightSource | None = None,
         sr_seed: int = 0,
         activation_checkpointing: str | int = "all",
@@ -130,7 +136,8 @@ class Offloader(torch.optim.Optimizer):
         settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
                             offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                             speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                            resident_layers=resident_layers, activation_checkpointing=activation_checkpointing,
+                            resident_layers=resident_layers, device_redo_layers=device_redo_layers,
+                            activation_checkpointing=activation_checkpointing,
                             activation_offload=activation_offload)
         choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout

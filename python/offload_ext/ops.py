@@ -38,8 +38,10 @@ def adamw_step(
     sr_seed: int | None = None,
     sr_stream: int = 0,
     sr_offset: int = 0,
+    grad_scale: float = 1.0,
 ) -> None:
-    """One fused AdamW step over a contiguous span, in place, with torch.optim.AdamW's semantics.
+    """One fused AdamW step over a contiguous span, in place, with torch.optim.AdamW's semantics, on CPU
+    tensors or (without sr_seed) CUDA tensors: the CUDA kernel gives the CPU kernel's bits.
 
     Modes follow the dtypes: all bf16 (math in fp32); or fp32 param/exp_avg/exp_avg_sq with a bf16
     or fp32 grad, optionally writing the updated param rounded to bf16 into `param_out`.
@@ -47,12 +49,14 @@ def adamw_step(
     With `sr_seed` (bf16 mode only), param and exp_avg_sq are stored by stochastic rounding, the span's
     elements drawing indices sr_offset.. of stream (sr_seed, sr_stream): offload_ext.stochastic_rounding
     gives the rule, and the same result in torch ops.
+    `grad_scale` != 1 (a bf16 grad): the step reads bf16(grad * grad_scale), as a bf16 .grad is after
+    torch.nn.utils.clip_grad_norm_ scales it.
     """
     native()
     torch.ops.offload_ext.adamw_step(
         param, grad, exp_avg, exp_avg_sq, param_out,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
-        None if sr_seed is None else int(sr_seed), int(sr_stream), int(sr_offset),
+        None if sr_seed is None else int(sr_seed), int(sr_stream), int(sr_offset), float(grad_scale),
     )
 
 
@@ -144,7 +148,7 @@ def _register_fakes_and_autograd() -> None:
     def _adamw_step_fake(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          param_out: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
                          weight_decay: float, step: int, sr_seed: int | None = None, sr_stream: int = 0,
-                         sr_offset: int = 0) -> None:
+                         sr_offset: int = 0, grad_scale: float = 1.0) -> None:
         _same_numel("adamw_step", param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out)
 
     @torch.library.register_fake("offload_ext::cross_entropy_rows")

@@ -353,7 +353,8 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
          device_layers: int = 2, offload_all: bool = False, grad_accum: int = 1, max_grad_norm: float | None = None,
          async_step: bool | None = None, groups: Sequence[dict[str, Any]] | None = None,
          no_decay: Sequence[str] = (), speculative_clip: bool = True, accumulate_on_device: bool | None = None,
-         resident_layers: int = 0, weights: Any = None, batch_size: int | None = None, seq_len: int | None = None,
+         resident_layers: int = 0, device_redo_layers: int | None = None, weights: Any = None,
+         batch_size: int | None = None, seq_len: int | None = None,
          loss_chunk_tokens: int = 4096, loss_backend: str = "auto", lora_r: int | None = None,
          lora_alpha: float | None = None, lora_targets: Sequence[str] = ("q_proj", "v_proj"),
          host_memory: int | str | None = None, gpu_memory: int | str | None = None,
@@ -376,7 +377,8 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
     settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
                         offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                         speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                        resident_layers=resident_layers, batch_size=batch_size, seq_len=seq_len,
+                        resident_layers=resident_layers, device_redo_layers=device_redo_layers,
+                        batch_size=batch_size, seq_len=seq_len,
                         loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend,
                         activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
     layers = resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)

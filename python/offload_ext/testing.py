@@ -41,6 +41,11 @@ def host_buffers(off: Offloader) -> list[LayerBuffers]:
     return list(off._host)
 
 
+def device_redo_units(off: Offloader) -> frozenset[int]:
+    """Units (global index) whose redo, when clipping triggers, runs on the device (offload_ext.device_redo)."""
+    return off._backend.device_redo_units
+
+
 def settle(off: Offloader) -> None:
     """Block until every host step has finished, as state_dict() does before reading the host buffers."""
     off._settle()

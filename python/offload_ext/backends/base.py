@@ -179,6 +179,11 @@ class Backend(ABC):
         """The next copy raises while being enqueued (its message says "injected copy failure")."""
         raise NotImplementedError(f"{type(self).__name__} cannot inject a copy failure")
 
+    @property
+    def device_redo_units(self) -> frozenset[int]:
+        """Units whose clipped redos run on the device (offload_ext.device_redo): none unless a backend does it."""
+        return frozenset()
+
     def pending_units(self) -> list[int]:
         """Indices (in new_layer order) of the layers whose host step is not finished."""
         raise NotImplementedError(f"{type(self).__name__} cannot report pending host steps")

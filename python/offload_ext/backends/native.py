@@ -21,6 +21,7 @@ import torch
 
 from .. import ops
 from .._ext import native
+from ..device_redo import DeviceRedo
 from . import sizes as host_sizes
 from .base import Backend, Hyper, LayerBuffers
 from .sizes import HostNeed, NativeHostPlan
@@ -37,7 +38,8 @@ class NativeBackend(Backend):
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
-                 grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False, **_: Any) -> None:
+                 grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
+                 device_redo_units: frozenset[int] = frozenset(), **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
@@ -47,6 +49,11 @@ class NativeBackend(Backend):
         self._speculative_units = speculative_units
         self._hedged_units = hedged_units & speculative_units
         self._speculating = speculative_units  # this step's
+        # Clipping triggered: these units' redos run on the device (offload_ext.device_redo).
+        self._device_redo_units = device_redo_units & speculative_units if grad_accum == 1 else frozenset()
+        self._device_redo: DeviceRedo | None = None  # prepare()
+        self._groups: list[tuple[tuple[int, int, int], ...]] = []  # per unit: (group, begin, end)
+        self._hypers: list[Hyper] = []  # this step's, per group
         self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
         self._redone_last = False
         self.speculative = bool(speculative_units)
@@ -81,7 +88,8 @@ class NativeBackend(Backend):
         high up as it fits; nothing is allocated."""
         planned = NativeHostPlan.choose(self.precision, tuple(sizes), tuple(own_grads), grad_slots=self._grad_slots,
                                         accumulate=self.accumulate, speculative_units=self._speculative_units,
-                                        grad_accum=self._grad_accum, kept_layers=self._kept_layers)
+                                        grad_accum=self._grad_accum, kept_layers=self._kept_layers,
+                                        device_redo_units=self._device_redo_units)
         self._grad_slots = planned.grad_slots
         self._slot_owner = [None] * self._grad_slots
         if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):
@@ -108,6 +116,7 @@ class NativeBackend(Backend):
         self._host_plan = fitted
         self._speculative_units = fitted.speculative_units
         self._hedged_units &= self._speculative_units
+        self._device_redo_units &= self._speculative_units
         self._speculating = self._speculative_units
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
@@ -117,6 +126,8 @@ class NativeBackend(Backend):
         self._reserve()
         largest = max(t for _, t in sizes)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+        if self._device_redo_units:
+            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in self._device_redo_units))
 
     def _reserve(self) -> None:
         """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
@@ -151,8 +162,9 @@ class NativeBackend(Backend):
         else:
             grads = self._ring[self._count % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
-        exp_avg = e.host_zeros(trainable, state_dtype)
-        exp_avg_sq = e.host_zeros(trainable, state_dtype)
+        moments = self._pinned_zeros if self._count in self._device_redo_units else e.host_zeros
+        exp_avg = moments(trainable, state_dtype)
+        exp_avg_sq = moments(trainable, state_dtype)
         master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
         accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
@@ -162,7 +174,7 @@ class NativeBackend(Backend):
             # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
             first = (e.host_zeros(trainable, torch.float32) if master_buf is not None
                      else e.pinned_empty(numel, torch.bfloat16))
-            alt = (first, e.host_zeros(trainable, state_dtype), e.host_zeros(trainable, state_dtype))
+            alt = (first, moments(trainable, state_dtype), moments(trainable, state_dtype))
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
@@ -172,10 +184,19 @@ class NativeBackend(Backend):
             raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
         self._count += 1
         self._layers.append(layer)
+        self._groups.append(tuple(groups) if groups else ((0, 0, trainable),))
         return layer
 
+    @property
+    def device_redo_units(self) -> frozenset[int]:
+        return self._device_redo_units
+
+    def _pinned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._engine.pinned_empty(numel, dtype).zero_()
+
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
-        # Its step writes the params we copy (the wait releases the GIL).
+        # Its step writes the params we copy (the waits release the GIL).
+        self._wait_device_redo(index)
         self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device")
         self._follow_swap(index, layer)  # "bf16": a speculative step left the params in the other buffer
         return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index,
@@ -241,11 +262,14 @@ class NativeBackend(Backend):
         return sum(self._engine.sq_norm(u) for u in units)
 
     def clipped_step(self, scale: float) -> None:
+        on_device = self._device_redo_units & self._speculating & self._flushed if scale != 1.0 else frozenset()
         for i in sorted(self._flushed):
             if i not in self._speculating:  # it waited for the norm: its one step, clipped or not
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
-            elif scale != 1.0:  # clipping triggered: redo every speculative step exactly, the lowest unit first
-                self._engine.redo(i, scale)
+            elif scale != 1.0 and i not in on_device:  # clipping triggered: redo every speculative step exactly,
+                self._engine.redo(i, scale)            # the lowest unit first
+        for i in sorted(on_device, reverse=True):  # the top ones, which the next forward needs last
+            self._redo_on_device(i, scale)
         # Held since the norm was known: speculative steps not yet started now step in place (clipped
         # ones became scaled steps in redo()).
         self._engine.release_speculation()
@@ -253,7 +277,24 @@ class NativeBackend(Backend):
         if not self.asynchronous:
             self._engine.wait_all()
 
+    def _redo_on_device(self, index: int, scale: float) -> None:
+        """Unit `index`'s clipped redo on the device: the engine drops its speculative step if not started (or
+        waits for it), the layer's fields then name the buffers to fill and `alt` the state before."""
+        self._engine.take_over(index)
+        layer = self._layers[index]
+        self._follow_swap(index, layer)
+        t = layer.trainable
+        live = (layer.trainable_params, layer.exp_avg, layer.exp_avg_sq)
+        before = (layer.alt[0][:t], *layer.alt[1:])
+        ranges = [(self._hypers[g], a, b) for g, a, b in self._groups[index]]
+        self._device_redo.redo(index, live, before, layer.grads[:t], ranges, scale)
+
+    def _wait_device_redo(self, index: int) -> None:
+        if self._device_redo is not None:
+            self._device_redo.wait(index)
+
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        self._wait_device_redo(index)  # its redo may still read the kept gradient this copy overwrites
         slot = None if index in self._own_grads else index % self._grad_slots
         if slot is not None:
             owner = self._slot_owner[slot]
@@ -275,6 +316,7 @@ class NativeBackend(Backend):
 
     def begin_step(self, hypers: list[Hyper]) -> None:
         self._engine.check()  # a failed step from before surfaces here at the latest
+        self._hypers = list(hypers)
         for group, h in enumerate(hypers):
             self._engine.set_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, group=group)
 
@@ -288,6 +330,8 @@ class NativeBackend(Backend):
 
     def settle(self) -> None:
         self._engine.wait_all()
+        if self._device_redo is not None:
+            self._device_redo.wait_all()
         self._follow_swaps()
 
     def _follow_swaps(self) -> None:
@@ -303,7 +347,8 @@ class NativeBackend(Backend):
         return self._engine.stats()["wait_seconds"]
 
     def stats(self) -> dict[str, Any]:
-        return {**self._engine.stats(), **self._engine.memory_stats()}
+        redos = self._device_redo.count if self._device_redo is not None else 0
+        return {**self._engine.stats(), **self._engine.memory_stats(), "device_redos": redos}
 
     def set_copy_delay(self, max_us: int) -> None:
         self._engine.set_debug_delay_us(int(max_us))
@@ -329,3 +374,5 @@ class NativeBackend(Backend):
     def close(self) -> None:
         self._engine.synchronize()
         self._engine.wait_all()
+        if self._device_redo is not None:
+            self._device_redo.wait_all()

@@ -148,24 +148,30 @@ class NativeHostPlan:
     asked_slots: int | None = None  # grad_slots as given (None: chosen)
     grad_accum: int = 1             # micro-batches whose gradients reach the host per step
     kept_layers: bool = False       # some layers run without recompute (their backward is quicker)
+    # Their clipped redos run on the device (offload_ext.device_redo), which copies their moments and second
+    # moments asynchronously: those are page-locked too. A subset of speculative_units.
+    device_redo_units: frozenset[int] = frozenset()
 
     @classmethod
     def choose(cls, precision: str, sizes: Sizes, own_grads: Sizes = (), *, grad_slots: int | None = None,
                accumulate: bool = False, speculative_units: frozenset[int] = frozenset(),
-               grad_accum: int = 1, kept_layers: bool = False) -> NativeHostPlan:
+               grad_accum: int = 1, kept_layers: bool = False,
+               device_redo_units: frozenset[int] = frozenset()) -> NativeHostPlan:
         """The plan NativeBackend(precision, grad_slots=, accumulate=, speculative_units=, grad_accum=,
-        kept_layers=) makes: speculative clipping of single micro-batches keeps each unit's gradient (no ring)."""
+        kept_layers=, device_redo_units=) makes: speculative clipping of single micro-batches keeps each unit's
+        gradient (no ring)."""
         keep = bool(speculative_units) and grad_accum == 1
         chosen = default_grad_slots(precision, len(sizes), accumulate, kept_layers)
         slots = 0 if keep else min(len(sizes), grad_slots or chosen)
-        return cls(precision, tuple(sizes), tuple(own_grads), accumulate, keep, slots, frozenset(speculative_units),
-                   grad_slots, grad_accum, kept_layers)
+        spec = frozenset(speculative_units)
+        return cls(precision, tuple(sizes), tuple(own_grads), accumulate, keep, slots, spec,
+                   grad_slots, grad_accum, kept_layers, frozenset(device_redo_units) & spec)
 
     def _again(self, **changes: object) -> NativeHostPlan:
         """The plan choose() makes with these of its arguments changed."""
         asked = dict(precision=self.precision, sizes=self.sizes, own_grads=self.own_grads, grad_slots=self.asked_slots,
                      accumulate=self.accumulate, speculative_units=self.speculative_units, grad_accum=self.grad_accum,
-                     kept_layers=self.kept_layers)
+                     kept_layers=self.kept_layers, device_redo_units=self.device_redo_units)
         return NativeHostPlan.choose(**(asked | changes))
 
     def second_buffers(self, index: int, numel: int, trainable: int) -> list[tuple[int, bool]]:
@@ -175,20 +181,26 @@ class NativeHostPlan:
         if index not in self.speculative_units:
             return []
         first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, False)
-        return [first] + [(moment_bytes(self.precision) * trainable, False)] * 2
+        return [first] + [(moment_bytes(self.precision) * trainable, index in self.device_redo_units)] * 2
+
+    def moments(self, index: int, trainable: int) -> list[HostBlock]:
+        """Both moments of unit `index`, page-locked for a unit whose redos run on the device."""
+        return [self._block("moments", moment_bytes(self.precision) * trainable, index in self.device_redo_units)] * 2
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
         return HostBlock(what, page_round(raw + ALIGN), pinned)
 
     def pinned_blocks(self) -> list[HostBlock]:
         """In prepare()'s and new_layer()'s order: the ring's slots, then per unit its params, (kept) its
-        gradient and ("bf16" speculation) its second params; then the units with gradients of their own."""
+        gradient, (device redos) its moments and ("bf16" speculation) its second params (and, device redos,
+        moments); then the units with gradients of their own."""
         largest = max(t for _, t in self.sizes)
         blocks = [self._block("gradient staging", 2 * largest, True)] * self.grad_slots
         for i, (n, t) in enumerate(self.sizes):
             blocks.append(self._block("params", 2 * n, True))
             if self.keep_grads:
                 blocks.append(self._block("kept gradients", 2 * t, True))
+            blocks += [b for b in self.moments(i, t) if b.pinned]
             blocks += [self._block("second buffers", b, True) for b, pinned in self.second_buffers(i, n, t) if pinned]
         for n, t in self.own_grads:
             blocks += [self._block("params", 2 * n, True), self._block("gradient staging", 2 * t, True)]
@@ -199,7 +211,7 @@ class NativeHostPlan:
         (accumulation without kept gradients), the pageable second buffers."""
         blocks = []
         for i, (n, t) in enumerate((*self.sizes, *self.own_grads)):
-            blocks += [self._block("moments", moment_bytes(self.precision) * t, False)] * 2
+            blocks += [b for b in self.moments(i, t) if not b.pinned]
             if self.precision == "mixed":
                 blocks.append(self._block("fp32 master", 4 * t, False))
             if self.accumulate and not self.keep_grads:
@@ -222,7 +234,8 @@ class NativeHostPlan:
         plan = self
         while spec and self._bytes(plan, pinned) > available:
             spec.pop(0)
-            plan = dataclasses.replace(self, speculative_units=frozenset(spec))
+            plan = dataclasses.replace(self, speculative_units=frozenset(spec),
+                                       device_redo_units=self.device_redo_units & frozenset(spec))
         return plan if spec else self
 
     @staticmethod

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "adamw.h"
+#include "adamw_update.h"
 #include "bf16.h"
 #include "stochastic_rounding.h"
 
@@ -54,20 +55,6 @@ struct ScalarVec {
   static constexpr int DW = 1;
   static void store_d(double* p, D x) { *p = x; }
 };
-
-template <class V>
-inline void adamw_update(typename V::F& p, typename V::F g, typename V::F& m, typename V::F& v,
-                         const AdamWCoef& c) {
-  using F = typename V::F;
-  if (c.apply_decay) p = V::mul(p, V::set1(c.decay));
-  const F base = c.lerp_from_grad ? g : m;
-  m = V::fmadd(V::set1(c.lerp_coef), V::sub(g, m), base);
-  // torch's build contracts `v * beta2 + (1 - beta2) * g * g` into this one fma; matching it keeps
-  // exp_avg_sq bit-identical to torch's fused AdamW.
-  v = V::fmadd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(v, V::set1(c.beta2)));
-  const F denom = V::add(V::div(V::sqrt(v), V::set1(c.bias_correction2_sqrt)), V::set1(c.eps));
-  p = V::add(p, V::div(V::mul(V::set1(c.neg_step_size), m), denom));
-}
 
 // Each loop runs whole vectors from `i` and returns where it stopped; the scalar instance
 // finishes the tail with identical arithmetic.

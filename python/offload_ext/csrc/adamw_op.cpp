@@ -1,6 +1,8 @@
-// The adamw_step op: checks a span's tensors against the precision mode their dtypes choose, then runs
-// the fused kernel on the global pool.
+// The adamw_step op on the CPU: checks a span's tensors against the precision mode their dtypes choose, then
+// runs the fused kernel on the global pool. The checks serve the CUDA kernel (adamw_cuda.cu) too.
 #include "adamw_op.h"
+
+#include <cmath>
 
 #include "messages.h"
 #include "thread_pool.h"
@@ -15,8 +17,13 @@ void check_dtype(const char* who, const at::Tensor& t, const char* name, at::Sca
 
 }  // namespace
 
-void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), who, ": expected ", name, " on the CPU, got a tensor on ", t.device());
+void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel, c10::Device device) {
+  if (device.is_cpu()) {
+    TORCH_CHECK(t.device().is_cpu(), who, ": expected ", name, " on the CPU, got a tensor on ", t.device());
+  } else {
+    TORCH_CHECK(t.device() == device, who, ": expected ", name, " on ", device, " like param, got a tensor on ",
+                t.device());
+  }
   TORCH_CHECK(t.is_contiguous(), who, ": expected ", name,
               " to be contiguous (the kernel steps one flat span); call .contiguous() on it first");
   TORCH_CHECK(t.numel() == numel, who, ": expected ", name, " to have ", num(numel), " elements like param, got ",
@@ -24,12 +31,12 @@ void check_span(const char* who, const at::Tensor& t, const char* name, int64_t 
 }
 
 StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out) {
+                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, c10::Device device) {
   const int64_t n = param.numel();
-  check_span(who, param, "param", n);
-  check_span(who, grad, "grad", n);
-  check_span(who, exp_avg, "exp_avg", n);
-  check_span(who, exp_avg_sq, "exp_avg_sq", n);
+  check_span(who, param, "param", n, device);
+  check_span(who, grad, "grad", n, device);
+  check_span(who, exp_avg, "exp_avg", n, device);
+  check_span(who, exp_avg_sq, "exp_avg_sq", n, device);
   StepUnit u{};
   u.numel = n;
   u.param = param.data_ptr();
@@ -55,7 +62,7 @@ StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor
               " mode expected grad of dtype float32 or bfloat16, got ", grad.scalar_type());
   u.grad_type = grad.scalar_type() == at::kBFloat16 ? GradType::kBF16 : GradType::kFP32;
   if (param_out.has_value()) {
-    check_span(who, *param_out, "param_out", n);
+    check_span(who, *param_out, "param_out", n, device);
     check_dtype(who, *param_out, "param_out", at::kBFloat16, mode);
     u.param_out = reinterpret_cast<uint16_t*>(param_out->data_ptr());
   }
@@ -72,10 +79,8 @@ std::optional<SrStream> checked_sr(const char* who, const StepUnit& unit, const 
   return SrStream{static_cast<uint64_t>(*sr_seed), static_cast<uint64_t>(sr_stream), sr_offset};
 }
 
-void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
-                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    std::optional<int64_t> sr_seed, int64_t sr_stream, int64_t sr_offset) {
+AdamWHyper checked_hyper(const StepUnit& unit, double lr, double beta1, double beta2, double eps, double weight_decay,
+                         int64_t step, double grad_scale) {
   TORCH_CHECK(step >= 1, "adamw_step: expected step >= 1 (the 1-based count used for bias correction), got ",
               num(step));
   TORCH_CHECK(lr >= 0, "adamw_step: expected lr >= 0, got ", num(lr));
@@ -83,9 +88,22 @@ void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: expected 0 <= beta2 < 1, got ", num(beta2));
   TORCH_CHECK(eps >= 0, "adamw_step: expected eps >= 0, got ", num(eps));
   TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale >= 0,
+              "adamw_step: expected a finite grad_scale >= 0 (a clipping coefficient), got ", num(grad_scale));
+  TORCH_CHECK(grad_scale == 1.0 || unit.bf16_mode || unit.grad_type == GradType::kBF16,
+              "adamw_step: grad_scale applies to a bf16 grad (read as bf16(grad * grad_scale)); scale an fp32 "
+              "grad before the call and pass grad_scale=1");
+  return {lr, beta1, beta2, eps, weight_decay, step};
+}
+
+void adamw_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    std::optional<int64_t> sr_seed, int64_t sr_stream, int64_t sr_offset, double grad_scale) {
   StepUnit unit = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out);
+  const AdamWHyper h = checked_hyper(unit, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   unit.sr = checked_sr("adamw_step", unit, sr_seed, sr_stream, sr_offset);
-  adamw_unit(unit, unit.grad, {lr, beta1, beta2, eps, weight_decay, step}, *global_pool());
+  adamw_unit(unit, unit.grad, h, *global_pool(), static_cast<float>(grad_scale));
 }
 
 }  // namespace offload_ext

@@ -31,11 +31,15 @@ OFFLOAD_EXT_HD inline uint16_t bf16_round_bits(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float bf16_to_float(uint16_t bits) {
+OFFLOAD_EXT_HD inline float bf16_to_float(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   __builtin_memcpy(&f, &u, sizeof(f));
   return f;
+#endif
 }
 
 }  // namespace

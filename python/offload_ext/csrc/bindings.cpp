@@ -69,7 +69,7 @@ TORCH_LIBRARY(offload_ext, m) {
   m.def(
       "adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "int? sr_seed=None, int sr_stream=0, int sr_offset=0) -> ()");
+      "int? sr_seed=None, int sr_stream=0, int sr_offset=0, float grad_scale=1.0) -> ()");
   // overwrite: the backward may write the logits' gradient over the logits (only safe when nothing else
   // saved them); the forward kernels ignore it.
   m.def("cross_entropy_rows(Tensor logits, Tensor labels, int ignore_index, bool overwrite=False) -> "
@@ -177,6 +177,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "speculative steps run in place as plain steps.")
       .def("redo", &Engine::redo, py::arg("unit"), py::arg("scale"),
            "Redo the unit's speculative step exactly, with its gradients scaled (clipping triggered).")
+      .def("take_over", &Engine::take_over, py::arg("unit"), Release(),
+           "The unit's clipped redo runs on the device: drop its speculative step if not started (swapping as if "
+           "it ran), else wait for it; then swapped(unit) names the buffers to fill.")
       .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", Release(),
            "Block until the unit's announced jobs are done; a wait that blocked goes on the timeline as `reason`.")
       .def("start_trace", &Engine::start_trace, "Record the timeline (copies, host step slices, waits) from now on.")

@@ -215,7 +215,13 @@ class CudaCopyEngine final : public CopyEngine {
  public:
   explicit CudaCopyEngine(int device) : device_(device), events_(std::make_shared<EventPool>(device)) {
     DeviceGuard guard(device_);
-    for (auto& s : streams_) cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    // The weight and gradient copies get the device's highest stream priority: side streams that share the
+    // copy engines (activation offload, clipped redos on the device) are created at the lowest.
+    int least = 0, greatest = 0;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    for (auto& s : streams_) {
+      cuda_check(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
+    }
   }
   ~CudaCopyEngine() override {
     for (auto& s : streams_) {

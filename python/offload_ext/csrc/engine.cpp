@@ -273,6 +273,11 @@ void Engine::notify(int unit) {
   pending.commit();
 }
 
+void Engine::take_over(int unit) {
+  TORCH_CHECK(unit >= 0, "Engine.take_over: expected a unit >= 0, got ", num(static_cast<int64_t>(unit)));
+  scheduler_->take_over(unit);
+}
+
 void Engine::redo(int unit, float scale) {
   TORCH_CHECK(unit >= 0, "Engine.redo: expected a unit >= 0, got ", num(static_cast<int64_t>(unit)));
   scheduler_->redo(unit, scale);

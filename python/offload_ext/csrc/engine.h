@@ -63,6 +63,8 @@ class Engine {
   void wait_norms() { scheduler_->wait_norms(); }
   void release_speculation() { scheduler_->release_speculation(); }
   void redo(int unit, float scale);
+  // The unit's clipped redo happens on the device: see StepScheduler::take_over.
+  void take_over(int unit);
   // Blocks until `unit`'s announced jobs are done; on the timeline (lane "wait") as `reason` when it blocked.
   void wait_unit(int unit, const std::string& reason);
   void wait_all();

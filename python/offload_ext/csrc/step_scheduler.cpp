@@ -260,8 +260,8 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
   }
 }
 
-void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool) {
-  step_pass(unit, grad, nullptr, 1.0f, Flow::kInPlace, h, pool);
+void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool, float scale) {
+  step_pass(unit, grad, nullptr, scale, Flow::kInPlace, h, pool);
 }
 
 void StepScheduler::loop() {
@@ -478,6 +478,30 @@ void StepScheduler::redo(int id, float scale) {
     queue_.push_back({id, hypers_, Job::kRedo, scale});
   }
   work_cv_.notify_one();
+}
+
+void StepScheduler::take_over(int id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_unit_locked(id);
+  if (units_[id].alt_param == nullptr) {
+    throw std::invalid_argument("StepScheduler: unit " + std::to_string(id) +
+                                " has no second buffers: only a speculative step can be taken over");
+  }
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (it->unit == id && it->job == Job::kSpeculativeStep && it->begin == 0) {
+      queue_.erase(it);
+      ++stepped_[id];
+      swap_state(units_[id]);
+      swapped_[id] = !swapped_[id];
+      done_cv_.notify_all();
+      break;
+    }
+  }
+  ++waiters_[id];  // whatever of the unit still runs goes first
+  work_cv_.notify_all();
+  wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
+  --waiters_[id];
+  rethrow_locked();
 }
 
 double StepScheduler::sq_norm(int id) const {

@@ -56,8 +56,9 @@ struct GroupRange {
   int64_t end;
 };
 
-// One fused AdamW pass over a unit's span with gradient `grad` (its landed copy or its accumulator).
-void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool);
+// One fused AdamW pass over a unit's span with gradient `grad` (its landed copy or its accumulator); a bf16
+// gradient with `scale` != 1 is read as bf16(grad * scale), as clipping scales it.
+void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool, float scale = 1.0f);
 
 // What a landed gradient copy asks of its unit.
 enum class Job {
@@ -120,6 +121,11 @@ class StepScheduler {
   // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kSpeculativeStep not yet
   // started becomes an in-place kScaleStep; else a kRedo is queued behind it.
   void redo(int id, float scale);
+  // The caller redoes unit `id`'s clipped step elsewhere (on the device), from the state before its
+  // speculative step into the second buffers: a speculative step not yet started is dropped, its swap done
+  // as if it had run; one started is waited for. On return no job of the unit is queued or running, and
+  // swapped(id) names the buffers the caller is to fill. Requires second buffers; rethrows a step's failure.
+  void take_over(int id);
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   // While someone waits on a unit, its queued jobs go before all others.
   void wait(int id);

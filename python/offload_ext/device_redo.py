@@ -1,0 +1,100 @@
+"""Device redo: when clipping triggers, the top layers' exact redo runs on the device while the host redoes
+the layers below, from the lowest up. The next forward needs the lowest layer first and the top ones last, so
+the two sides meet in the middle instead of the host redoing every layer before the forward reaches the top
+(B1, run 51: 16 host redos at ~8.2 ms each, 130 ms the next forward chased).
+
+A unit's redo reads the state before its speculative step (params, both moments) and its kept gradient,
+copies them in on a side stream, steps them with adamw_step's CUDA kernel (the host kernel's bits: see
+adamw_cuda.cu) and copies the result back into the buffers its speculative step had made live. The next
+forward's copy of that layer, and the unit's next gradient copy, wait for that (wait()). On the simulated
+device the same path runs with the CPU kernel and plain copies."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import ops
+
+# Sets of device buffers: the copies in of one piece of a unit fill one set while the piece before is stepped
+# and copied back from the other. A piece is at most REDO_PIECE elements (256 MB of device memory in all).
+REDO_SETS = 2
+REDO_PIECE = 1 << 24
+
+
+def redo_piece(largest: int) -> int:
+    """Elements of each device buffer for units of at most `largest` trainable elements."""
+    return min(largest, REDO_PIECE)
+
+
+class DeviceRedo:
+    def __init__(self, device: torch.device, largest: int) -> None:
+        piece = redo_piece(largest)
+        self._sets = [tuple(torch.empty(piece, dtype=torch.bfloat16, device=device) for _ in range(4))
+                      for _ in range(REDO_SETS)]
+        cuda = device.type == "cuda"
+        # The lowest priority (torch's default; the engine's copy streams have the highest): the next forward's
+        # weight copies go first where both have work queued.
+        self._copy_in = torch.cuda.Stream(device) if cuda else None
+        self._work = torch.cuda.Stream(device) if cuda else None
+        self._free: list[Any] = [None] * REDO_SETS  # per set: the event after its last copy back
+        self._pending: dict[int, Any] = {}          # unit -> the event after its copy back
+        self._next = 0
+        self.count = 0  # redos run on the device so far
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _record(self, stream: torch.cuda.Stream | None) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    def redo(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
+             ranges: Sequence[tuple[Any, int, int]], scale: float) -> None:
+        """Step unit `unit` from `before` (params, exp_avg, exp_avg_sq: its state before the speculative step)
+        with bf16(grad * scale) into `live` (the same three), each group range [begin, end) with its Hyper."""
+        n, piece = grad.numel(), self._sets[0][0].numel()
+        for start in range(0, n, piece):
+            end = min(n, start + piece)
+            pieces = [(h, max(a, start) - start, min(b, end) - start) for h, a, b in ranges if a < end and b > start]
+            done = self._piece([t[start:end] for t in live], [t[start:end] for t in before], grad[start:end],
+                               pieces, scale)
+        if done is not None:
+            self._pending[unit] = done
+        self.count += 1
+
+    def _piece(self, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
+               ranges: Sequence[tuple[Any, int, int]], scale: float) -> Any:
+        """One piece through the next set of buffers; the event after its copy back (None on the CPU)."""
+        n = grad.numel()
+        p, g, m, v = (buf[:n] for buf in self._sets[self._next])
+        free = self._free[self._next]
+        with self._stream(self._copy_in):
+            if free is not None:
+                self._copy_in.wait_event(free)
+            for dst, src in zip((p, m, v, g), (*before, grad)):
+                dst.copy_(src, non_blocking=True)
+            landed = self._record(self._copy_in)
+        with self._stream(self._work):
+            if landed is not None:
+                self._work.wait_event(landed)
+            for h, a, b in ranges:
+                ops.adamw_step(p[a:b], g[a:b], m[a:b], v[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                               weight_decay=h.weight_decay, step=h.step, grad_scale=scale)
+            for dst, src in zip(live, (p, m, v)):
+                dst.copy_(src, non_blocking=True)
+            done = self._record(self._work)
+        self._free[self._next] = done
+        self._next = (self._next + 1) % REDO_SETS
+        return done
+
+    def wait(self, unit: int) -> None:
+        """Block until unit `unit`'s last device redo has landed in its host buffers (the GIL released)."""
+        done = self._pending.pop(unit, None)
+        if done is not None:
+            done.synchronize()
+
+    def wait_all(self) -> None:
+        for unit in list(self._pending):
+            self.wait(unit)
