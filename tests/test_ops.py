@@ -55,12 +55,13 @@ def _adamw_span(mode: str, n: int, device: str, seed: int = 0) -> dict[str, torc
     gen = torch.Generator().manual_seed(seed)
     state = torch.bfloat16 if mode == "bf16" else torch.float32
     grad = torch.randn(n, generator=gen) * 3
-    grad[:6] = torch.tensor([0.0, -0.0, 1e-40, -3e38, float("nan"), float("inf")])
     param = torch.randn(n, generator=gen)
-    param[6:9] = torch.tensor([0.0, 1e-39, -2e30])
     exp_avg = torch.randn(n, generator=gen) * 1e-2
     exp_avg_sq = torch.rand(n, generator=gen) * 1e-3
-    exp_avg_sq[9:11] = torch.tensor([0.0, 1e-41])
+    if n >= 11:
+        grad[:6] = torch.tensor([0.0, -0.0, 1e-40, -3e38, float("nan"), float("inf")])
+        param[6:9] = torch.tensor([0.0, 1e-39, -2e30])
+        exp_avg_sq[9:11] = torch.tensor([0.0, 1e-41])
     return {"param": param.to(device, state), "exp_avg": exp_avg.to(device, state),
             "exp_avg_sq": exp_avg_sq.to(device, state),
             "grad": grad.to(device, torch.float32 if mode == "mixed-fp32grad" else torch.bfloat16),

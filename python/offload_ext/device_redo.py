@@ -1,7 +1,8 @@
 """Device redo: when clipping triggers, the top layers' exact redo runs on the device while the host redoes
-the layers below, from the lowest up. The next forward needs the lowest layer first and the top ones last, so
-the two sides meet in the middle instead of the host redoing every layer before the forward reaches the top
-(B1, run 51: 16 host redos at ~8.2 ms each, 130 ms the next forward chased).
+the layers below, from the lowest up. The next forward follows the host's redos up the stack and finds the
+top layers done, instead of chasing the host through every layer (B1, run 51: 16 host redos at ~8.2 ms
+each, 130 ms the next forward chased). The device takes its layers lowest first too, the order the forward
+reaches them.
 
 A unit's redo reads the state before its speculative step (params, both moments) and its kept gradient,
 copies them in on a side stream, steps them with adamw_step's CUDA kernel (the host kernel's bits: see

@@ -268,7 +268,7 @@ class NativeBackend(Backend):
                 self._engine.run(i, self._jobs.SCALE_STEP, scale)
             elif scale != 1.0 and i not in on_device:  # clipping triggered: redo every speculative step exactly,
                 self._engine.redo(i, scale)            # the lowest unit first
-        for i in sorted(on_device, reverse=True):  # the top ones, which the next forward needs last
+        for i in sorted(on_device):  # the lowest first: the next forward reaches them in that order
             self._redo_on_device(i, scale)
         # Held since the norm was known: speculative steps not yet started now step in place (clipped
         # ones became scaled steps in redo()).
