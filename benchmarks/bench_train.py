@@ -10,7 +10,7 @@ offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entr
 A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe] (precision
 bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
 threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
-the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default half), whole for
+the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
 host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
 speculative_clip=False, aoff for activation_offload=True, hostsum for accumulate_on_device=False

@@ -928,7 +928,7 @@ def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot(
     model = tiny_llama(layers=6)
     clip = dict(backend="native", device="cpu", max_grad_norm=1.0)
     chosen = offload_ext.Offloader(copy.deepcopy(model), **clip)
-    assert chosen.stats()["device_redos"] == 0 and testing.device_redo_units(chosen) == {3, 4, 5}  # half
+    assert chosen.stats()["device_redos"] == 0 and testing.device_redo_units(chosen) == {4, 5}  # a third
     chosen.close()
     for kw in (dict(precision="mixed"), dict(grad_accum=2), dict(speculative_clip=False), dict(precision="bf16-sr")):
         off = offload_ext.Offloader(copy.deepcopy(model), **clip, **kw)

@@ -102,14 +102,16 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
 def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> int:
     """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
     micro-batches (each layer's gradient kept on the host) in "bf16" (the CUDA kernel has no stochastic
-    rounding; "mixed" would copy 14 bytes a parameter in). None: half of each stack, where it applies. The
-    next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
-    ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, the host
-    keeps n (g - a) / (g - a + c) layers (B1, run 56: g ~12.5, c ~9, a ~3.3: half)."""
+    rounding; "mixed" would copy 14 bytes a parameter in). None: a third of each stack, where it applies.
+    The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
+    ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
+    the host to keep n (g - a) / (g - a + c) layers (B1, run 56: g ~12.5, c ~9, a ~3.3: half). Measured, B1
+    lost more than that model says as the device took more layers (run 57: a third or less gained up to
+    7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
     applies = speculative and s.grad_accum == 1 and s.precision == "bf16"
     asked = s.device_redo_layers
     if asked is None:
-        return stack_layers // 2 if applies else 0
+        return stack_layers // 3 if applies else 0
     if type(asked) is not int or not 0 <= asked <= stack_layers:
         raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
                          f"(layers of the shortest stack), got {asked!r}")

@@ -87,7 +87,7 @@ class Offloader(torch.optim.Optimizer):
 
     device_redo_layers: with speculative clipping in "bf16" (one micro-batch a step), when clipping triggers
     the top N layers of each stack are redone on the device while the host redoes the rest
-    (offload_ext.device_redo); None: half of each stack. Their moments are page-locked, and the device
+    (offload_ext.device_redo); None: a third of each stack. Their moments are page-locked, and the device
     holds two layers' params, moments and gradients for it.
     """
 
