@@ -891,8 +891,10 @@ def test_a_redo_on_a_slow_host_with_late_copies_is_still_exact(precision) -> Non
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("device_redo_layers, piece", [(0, None), (1, None), (3, None), (3, 777)])
-def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_layers, piece, monkeypatch) -> None:
+def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_layers, piece, precision,
+                                                                 monkeypatch) -> None:
     # When clipping triggers, the top layers are redone on the (simulated) device from the state before their
     # speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
     # redos meet speculative steps queued (dropped), running (waited for) and done. Norm weights without
@@ -903,11 +905,12 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
         monkeypatch.setattr(device_redo, "REDO_PIECE", piece)
     base, data = tiny_llama(layers=4), batches(6)
     exact_norms: list[float] = []
-    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, max_grad_norm=0.5, norms=exact_norms,
+    ref_losses, ref_model = reference_training(base, data, precision, LR, WD, max_grad_norm=0.5, norms=exact_norms,
                                                exact_clip=True, group_of=_norms_exempt)
     model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", max_grad_norm=0.5,
-                                slice_elements=5000, device_redo_layers=device_redo_layers, no_decay=("norm",))
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
+                                max_grad_norm=0.5, slice_elements=5000, device_redo_layers=device_redo_layers,
+                                no_decay=("norm",))
     testing.delayed_copies(off, 3000)
     testing.slow_host_steps(off, 3000)
     norms: list[float] = []
@@ -930,7 +933,7 @@ def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot(
     chosen = offload_ext.Offloader(copy.deepcopy(model), **clip)
     assert chosen.stats()["device_redos"] == 0 and testing.device_redo_units(chosen) == {4, 5}  # a third
     chosen.close()
-    for kw in (dict(precision="mixed"), dict(grad_accum=2), dict(speculative_clip=False), dict(precision="bf16-sr")):
+    for kw in (dict(grad_accum=2), dict(speculative_clip=False), dict(precision="bf16-sr")):
         off = offload_ext.Offloader(copy.deepcopy(model), **clip, **kw)
         assert not testing.device_redo_units(off), kw
         off.close()
@@ -940,17 +943,20 @@ def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot(
         offload_ext.Offloader(copy.deepcopy(model), **clip, device_redo_layers=7)
 
 
-def test_device_redo_units_have_their_moments_page_locked_in_the_plan() -> None:
+@pytest.mark.parametrize("precision, state_spans", [("bf16", 4), ("mixed", 6)])
+def test_device_redo_units_have_their_state_page_locked_in_the_plan(precision, state_spans) -> None:
     from offload_ext.backends.sizes import NativeHostPlan
 
     sizes = ((1000, 900),) * 4
-    plain = NativeHostPlan.choose("bf16", sizes, speculative_units=frozenset(range(4)))
-    redo = NativeHostPlan.choose("bf16", sizes, speculative_units=frozenset(range(4)), device_redo_units=frozenset({3}))
+    plain = NativeHostPlan.choose(precision, sizes, speculative_units=frozenset(range(4)))
+    redo = NativeHostPlan.choose(precision, sizes, speculative_units=frozenset(range(4)),
+                                 device_redo_units=frozenset({3}))
     moved = sum(b.nbytes for b in redo.pinned_blocks()) - sum(b.nbytes for b in plain.pinned_blocks())
     assert moved > 0 and moved == sum(b.nbytes for b in plain.pageable_blocks()) - sum(
         b.nbytes for b in redo.pageable_blocks())
     moments = [b for b in redo.pinned_blocks() if b.what == "moments"]
-    assert len(moments) == 2 and moved == 4 * moments[0].nbytes  # both moments and both second moments
+    # both moments and both second moments; mixed: the fp32 master and its second too (as large as a moment)
+    assert len(moments) == 2 and moved == state_spans * moments[0].nbytes
     assert redo.need().total == plain.need().total
 
 

@@ -155,11 +155,12 @@ def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() ->
     _assert_same_weights(sync_weights, weights)
 
 
-def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_host_redos() -> None:
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_host_redos(precision) -> None:
     # Clipping triggers every step: the top half's redos run in the CUDA kernel, from state copied in on a
     # side stream, while copies stall at random and the host is slow; the host redoing everything is the
     # reference, bit for bit.
-    clip = dict(max_grad_norm=1e-4, steps=6)
+    clip = dict(max_grad_norm=1e-4, steps=6, precision=precision)
     host_losses, host_weights = _train_transfer_heavy("native", delay=False, device_redo_layers=0, **clip)
     stats: dict = {}
     losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=2000, device_redo_layers=4,

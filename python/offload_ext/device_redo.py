@@ -6,7 +6,8 @@ reaches them.
 
 A unit's redo reads the state before its speculative step (params, both moments) and its kept gradient,
 copies them in on a side stream, steps them with adamw_step's CUDA kernel (the host kernel's bits: see
-adamw_cuda.cu) and copies the result back into the buffers its speculative step had made live. The next
+adamw_cuda.cu) and copies the result back into the buffers its speculative step had made live ("mixed":
+the fp32 master and moments, and the bf16 params the next forward copies). The next
 forward's copy of that layer, and the unit's next gradient copy, wait for that (wait()). On the simulated
 device the same path runs with the CPU kernel and plain copies."""
 from __future__ import annotations
@@ -30,11 +31,23 @@ def redo_piece(largest: int) -> int:
     return min(largest, REDO_PIECE)
 
 
+def redo_element_bytes(precision: str) -> int:
+    """Device bytes per element of one set: params and moments in the state's dtype, the bf16 gradient and
+    ("mixed", fp32 masters) the bf16 params the step also writes."""
+    return 3 * 4 + 2 + 2 if precision == "mixed" else 4 * 2
+
+
 class DeviceRedo:
-    def __init__(self, device: torch.device, largest: int) -> None:
+    def __init__(self, device: torch.device, largest: int, state: torch.dtype = torch.bfloat16) -> None:
         piece = redo_piece(largest)
-        self._sets = [tuple(torch.empty(piece, dtype=torch.bfloat16, device=device) for _ in range(4))
-                      for _ in range(REDO_SETS)]
+        mixed = state == torch.float32
+
+        def one_set() -> tuple[torch.Tensor | None, ...]:
+            p, m, v = (torch.empty(piece, dtype=state, device=device) for _ in range(3))
+            g = torch.empty(piece, dtype=torch.bfloat16, device=device)
+            return p, g, m, v, torch.empty(piece, dtype=torch.bfloat16, device=device) if mixed else None
+
+        self._sets = [one_set() for _ in range(REDO_SETS)]
         cuda = device.type == "cuda"
         # The lowest priority (torch's default; the engine's copy streams have the highest): the next forward's
         # weight copies go first where both have work queued.
@@ -52,15 +65,16 @@ class DeviceRedo:
         return stream.record_event() if stream is not None else None
 
     def redo(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
-             ranges: Sequence[tuple[Any, int, int]], scale: float) -> None:
-        """Step unit `unit` from `before` (params, exp_avg, exp_avg_sq: its state before the speculative step)
-        with bf16(grad * scale) into `live` (the same three), each group range [begin, end) with its Hyper."""
+             ranges: Sequence[tuple[Any, int, int]], scale: float, out: torch.Tensor | None = None) -> None:
+        """Step unit `unit` from `before` (params or fp32 master, exp_avg, exp_avg_sq: its state before the
+        speculative step) with bf16(grad * scale) into `live` (the same three), each group range [begin, end)
+        with its Hyper; `out` ("mixed"): where the stepped master goes rounded to bf16."""
         n, piece = grad.numel(), self._sets[0][0].numel()
         for start in range(0, n, piece):
             end = min(n, start + piece)
             pieces = [(h, max(a, start) - start, min(b, end) - start) for h, a, b in ranges if a < end and b > start]
-            done = self._piece([t[start:end] for t in live], [t[start:end] for t in before], grad[start:end],
-                               pieces, scale)
+            targets = [t[start:end] for t in live] + ([out[start:end]] if out is not None else [])
+            done = self._piece(targets, [t[start:end] for t in before], grad[start:end], pieces, scale)
         if done is not None:
             self._pending[unit] = done
         self.count += 1
@@ -69,7 +83,7 @@ class DeviceRedo:
                ranges: Sequence[tuple[Any, int, int]], scale: float) -> Any:
         """One piece through the next set of buffers; the event after its copy back (None on the CPU)."""
         n = grad.numel()
-        p, g, m, v = (buf[:n] for buf in self._sets[self._next])
+        p, g, m, v, o = (buf[:n] if buf is not None else None for buf in self._sets[self._next])
         free = self._free[self._next]
         with self._stream(self._copy_in):
             if free is not None:
@@ -82,8 +96,9 @@ class DeviceRedo:
                 self._work.wait_event(landed)
             for h, a, b in ranges:
                 ops.adamw_step(p[a:b], g[a:b], m[a:b], v[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                               weight_decay=h.weight_decay, step=h.step, grad_scale=scale)
-            for dst, src in zip(live, (p, m, v)):
+                               weight_decay=h.weight_decay, step=h.step, grad_scale=scale,
+                               param_out=o[a:b] if o is not None else None)
+            for dst, src in zip(live, (p, m, v, o)):
                 dst.copy_(src, non_blocking=True)
             done = self._record(self._work)
         self._free[self._next] = done

@@ -28,7 +28,7 @@ from .backends.sizes import (
     python_alternatives,
     python_host_need,
 )
-from .device_redo import REDO_SETS, redo_piece
+from .device_redo import REDO_SETS, redo_element_bytes, redo_piece
 from .grad_path import sums_on_device
 from .kept_layers import CHECKPOINTING, checkpointed_count
 from .layout import GroupOf, Layout, device_redo_units, hedged_units, plan_layout, speculative_units
@@ -101,14 +101,14 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
 
 def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> int:
     """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
-    micro-batches (each layer's gradient kept on the host) in "bf16" (the CUDA kernel has no stochastic
-    rounding; "mixed" would copy 14 bytes a parameter in). None: a third of each stack, where it applies.
+    micro-batches (each layer's gradient kept on the host), in "bf16" or "mixed" (the CUDA kernel has no
+    stochastic rounding). None: a third of each stack, where it applies.
     The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
     ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
     the host to keep n (g - a) / (g - a + c) layers (B1, run 56: g ~12.5, c ~9, a ~3.3: half). Measured, B1
     lost more than that model says as the device took more layers (run 57: a third or less gained up to
     7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
-    applies = speculative and s.grad_accum == 1 and s.precision == "bf16"
+    applies = speculative and s.grad_accum == 1 and s.precision in ("bf16", "mixed")
     asked = s.device_redo_layers
     if asked is None:
         return stack_layers // 3 if applies else 0
@@ -116,9 +116,9 @@ def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> 
         raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
                          f"(layers of the shortest stack), got {asked!r}")
     if asked and not applies:
-        raise ValueError("Offloader: device_redo_layers > 0 needs speculative clipping of single micro-batches in "
-                         "bf16 (max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1, "
-                         f"precision='bf16'); got precision={s.precision!r}, grad_accum={s.grad_accum}, "
+        raise ValueError("Offloader: device_redo_layers > 0 needs speculative clipping of single micro-batches "
+                         "(max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1) in precision "
+                         f"'bf16' or 'mixed'; got precision={s.precision!r}, grad_accum={s.grad_accum}, "
                          f"speculative={speculative}: pass device_redo_layers=None or 0")
     return asked
 
@@ -264,7 +264,6 @@ class DeviceFacts:
     checkpointed: int        # layers whose input is kept through forward (streamed and resident)
     largest_param: int       # numel of the largest trainable parameter inside a layer
     kept: int = 0            # layers run without recompute, their saved tensors kept (kept_layer_bytes each)
-    device_redo: int = 0     # bytes of the device's buffers for clipped redos (offload_ext.device_redo)
 
     @classmethod
     def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False,
@@ -297,14 +296,13 @@ class DeviceFacts:
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
                    ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   layout.stack_layers - no_recompute, largest_param, no_recompute,
-                   0 if frozen else redo_buffer_bytes(layout, choices.device_redo_units))
+                   layout.stack_layers - no_recompute, largest_param, no_recompute)
 
 
-def redo_buffer_bytes(layout: Layout, units: frozenset[int]) -> int:
-    """offload_ext.device_redo's buffers for these units: REDO_SETS sets of four bf16 pieces."""
+def redo_buffer_bytes(layout: Layout, units: frozenset[int], precision: str) -> int:
+    """offload_ext.device_redo's buffers for these units: REDO_SETS sets of one piece of each span."""
     largest = max((u.trainable_numel for part in layout.stacks for u in part.units if u.index in units), default=0)
-    return REDO_SETS * 4 * 2 * redo_piece(largest)
+    return REDO_SETS * redo_element_bytes(precision) * redo_piece(largest)
 
 
 def _state_bytes(precision: str) -> int:
@@ -365,7 +363,8 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
               (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
               ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers),
-              ("clipped redos on the device (two pieces of params, moments, gradients)", f.device_redo)]
+              ("clipped redos on the device (two pieces of params, moments, gradients)",
+               0 if frozen else redo_buffer_bytes(choices.layout, choices.device_redo_units, precision))]
     if cuda:
         static.append(("cuBLAS workspace", CUBLAS_WORKSPACE))
     accumulating = choices.policy.grad_accum > 1

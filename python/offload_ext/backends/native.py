@@ -127,7 +127,8 @@ class NativeBackend(Backend):
         largest = max(t for _, t in sizes)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
         if self._device_redo_units:
-            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in self._device_redo_units))
+            state = torch.float32 if self.precision == "mixed" else torch.bfloat16
+            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in self._device_redo_units), state)
 
     def _reserve(self) -> None:
         """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
@@ -162,19 +163,20 @@ class NativeBackend(Backend):
         else:
             grads = self._ring[self._count % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
-        moments = self._pinned_zeros if self._count in self._device_redo_units else e.host_zeros
-        exp_avg = moments(trainable, state_dtype)
-        exp_avg_sq = moments(trainable, state_dtype)
-        master_buf = e.host_empty(trainable, torch.float32) if self.precision == "mixed" else None
+        # A unit redone on the device has its state page-locked: the device copies it in and out.
+        redo = self._count in self._device_redo_units
+        zeros, empty = (self._pinned_zeros, e.pinned_empty) if redo else (e.host_zeros, e.host_empty)
+        exp_avg = zeros(trainable, state_dtype)
+        exp_avg_sq = zeros(trainable, state_dtype)
+        master_buf = empty(trainable, torch.float32) if self.precision == "mixed" else None
         accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
         # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
         alt: tuple[torch.Tensor, ...] = ()
         if self._count in self._speculative_units:
             # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
-            first = (e.host_zeros(trainable, torch.float32) if master_buf is not None
-                     else e.pinned_empty(numel, torch.bfloat16))
-            alt = (first, moments(trainable, state_dtype), moments(trainable, state_dtype))
+            first = zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
+            alt = (first, zeros(trainable, state_dtype), zeros(trainable, state_dtype))
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
         out = layer.trainable_params if self.precision == "mixed" else None
         unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
@@ -283,11 +285,13 @@ class NativeBackend(Backend):
         self._engine.take_over(index)
         layer = self._layers[index]
         self._follow_swap(index, layer)
-        t = layer.trainable
-        live = (layer.trainable_params, layer.exp_avg, layer.exp_avg_sq)
+        t, mixed = layer.trainable, layer.master is not None
+        live = (layer.master if mixed else layer.trainable_params, layer.exp_avg, layer.exp_avg_sq)
         before = (layer.alt[0][:t], *layer.alt[1:])
         ranges = [(self._hypers[g], a, b) for g, a, b in self._groups[index]]
-        self._device_redo.redo(index, live, before, layer.grads[:t], ranges, scale)
+        # mixed: the stepped master rounded to bf16 also goes to the params the next forward copies
+        self._device_redo.redo(index, live, before, layer.grads[:t], ranges, scale,
+                               out=layer.trainable_params if mixed else None)
 
     def _wait_device_redo(self, index: int) -> None:
         if self._device_redo is not None:

@@ -148,8 +148,8 @@ class NativeHostPlan:
     asked_slots: int | None = None  # grad_slots as given (None: chosen)
     grad_accum: int = 1             # micro-batches whose gradients reach the host per step
     kept_layers: bool = False       # some layers run without recompute (their backward is quicker)
-    # Their clipped redos run on the device (offload_ext.device_redo), which copies their moments and second
-    # moments asynchronously: those are page-locked too. A subset of speculative_units.
+    # Their clipped redos run on the device (offload_ext.device_redo), which copies their state (moments,
+    # mixed's master, and the second buffers) asynchronously: page-locked too. A subset of speculative_units.
     device_redo_units: frozenset[int] = frozenset()
 
     @classmethod
@@ -180,27 +180,31 @@ class NativeHostPlan:
         the fp32 master, then both moments."""
         if index not in self.speculative_units:
             return []
-        first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, False)
-        return [first] + [(moment_bytes(self.precision) * trainable, index in self.device_redo_units)] * 2
+        redo = index in self.device_redo_units
+        first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, redo)
+        return [first] + [(moment_bytes(self.precision) * trainable, redo)] * 2
 
-    def moments(self, index: int, trainable: int) -> list[HostBlock]:
-        """Both moments of unit `index`, page-locked for a unit whose redos run on the device."""
-        return [self._block("moments", moment_bytes(self.precision) * trainable, index in self.device_redo_units)] * 2
+    def state(self, index: int, trainable: int) -> list[HostBlock]:
+        """In new_layer()'s order: both moments, then ("mixed") the fp32 master; page-locked for a unit whose
+        redos run on the device."""
+        redo = index in self.device_redo_units
+        blocks = [self._block("moments", moment_bytes(self.precision) * trainable, redo)] * 2
+        return blocks + ([self._block("fp32 master", 4 * trainable, redo)] if self.precision == "mixed" else [])
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
         return HostBlock(what, page_round(raw + ALIGN), pinned)
 
     def pinned_blocks(self) -> list[HostBlock]:
         """In prepare()'s and new_layer()'s order: the ring's slots, then per unit its params, (kept) its
-        gradient, (device redos) its moments and ("bf16" speculation) its second params (and, device redos,
-        moments); then the units with gradients of their own."""
+        gradient, (device redos) its moments and master, and its page-locked second buffers ("bf16"
+        speculation: the params; device redos: all); then the units with gradients of their own."""
         largest = max(t for _, t in self.sizes)
         blocks = [self._block("gradient staging", 2 * largest, True)] * self.grad_slots
         for i, (n, t) in enumerate(self.sizes):
             blocks.append(self._block("params", 2 * n, True))
             if self.keep_grads:
                 blocks.append(self._block("kept gradients", 2 * t, True))
-            blocks += [b for b in self.moments(i, t) if b.pinned]
+            blocks += [b for b in self.state(i, t) if b.pinned]
             blocks += [self._block("second buffers", b, True) for b, pinned in self.second_buffers(i, n, t) if pinned]
         for n, t in self.own_grads:
             blocks += [self._block("params", 2 * n, True), self._block("gradient staging", 2 * t, True)]
@@ -211,9 +215,7 @@ class NativeHostPlan:
         (accumulation without kept gradients), the pageable second buffers."""
         blocks = []
         for i, (n, t) in enumerate((*self.sizes, *self.own_grads)):
-            blocks += [b for b in self.moments(i, t) if not b.pinned]
-            if self.precision == "mixed":
-                blocks.append(self._block("fp32 master", 4 * t, False))
+            blocks += [b for b in self.state(i, t) if not b.pinned]
             if self.accumulate and not self.keep_grads:
                 blocks.append(self._block("gradient sums", 2 * t, False))
             blocks += [self._block("second buffers", b, False)
