@@ -922,6 +922,11 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
     assert off.stats()["device_redos"] == device_redo_layers * len(data)
     redone_on_host = {u for lane, name, _, _, u in timeline.events if lane == "host step" and "(redo)" in name}
     assert not redone_on_host & set(range(4 - device_redo_layers, 4)), redone_on_host
+    on_device = [(name, begin, end, u) for lane, name, begin, end, u in timeline.events if lane == "device redo"]
+    assert {u for *_, u in on_device} == set(range(4 - device_redo_layers, 4))
+    assert all(begin <= end for _, begin, end, _ in on_device)
+    pieces = [e for e in on_device if e[0].startswith("copy in")]
+    assert len(pieces) == len(on_device) // 2 >= device_redo_layers
     off.close()
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(a, b), name

@@ -13,6 +13,7 @@ device the same path runs with the CPU kernel and plain copies."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +58,52 @@ class DeviceRedo:
         self._pending: dict[int, Any] = {}          # unit -> the event after its copy back
         self._next = 0
         self.count = 0  # redos run on the device so far
+        # While traced: per piece (unit, start, landed, done), CUDA events with timing or monotonic_ns times;
+        # on CUDA a reference event and the monotonic_ns it was seen done at put the events on that clock.
+        self._trace: list[tuple[int, Any, Any, Any]] | None = None
+        self._ref: tuple[Any, int] | None = None
 
     def _stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _record(self, stream: torch.cuda.Stream | None) -> Any:
-        return stream.record_event() if stream is not None else None
+        if stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=self._trace is not None)
+        event.record(stream)
+        return event
+
+    def _now(self, stream: torch.cuda.Stream | None) -> Any:
+        """A point of the trace: an event on `stream` (CUDA) or the clock now (the simulated device)."""
+        return self._record(stream) if stream is not None else time.monotonic_ns()
+
+    def start_trace(self) -> None:
+        self._trace = []
+        if self._copy_in is not None:
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(self._copy_in)
+            ref.synchronize()
+            self._ref = (ref, time.monotonic_ns())
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        """The traced pieces on the "device redo" lane: each one's copies in, then its step and copies back."""
+        if self._trace is None:
+            return []
+        self.wait_all()
+        points, self._trace = self._trace, None
+
+        def ns(point: Any) -> int:
+            if self._ref is None:
+                return point
+            point.synchronize()
+            ref, at = self._ref
+            return at + round(ref.elapsed_time(point) * 1e6)
+
+        events = []
+        for unit, start, landed, done in points:
+            events.append(("device redo", f"copy in u{unit}", ns(start), ns(landed), unit))
+            events.append(("device redo", f"step, copy back u{unit}", ns(landed), ns(done), unit))
+        return events
 
     def redo(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
              ranges: Sequence[tuple[Any, int, int]], scale: float, out: torch.Tensor | None = None) -> None:
@@ -74,12 +115,12 @@ class DeviceRedo:
             end = min(n, start + piece)
             pieces = [(h, max(a, start) - start, min(b, end) - start) for h, a, b in ranges if a < end and b > start]
             targets = [t[start:end] for t in live] + ([out[start:end]] if out is not None else [])
-            done = self._piece(targets, [t[start:end] for t in before], grad[start:end], pieces, scale)
+            done = self._piece(unit, targets, [t[start:end] for t in before], grad[start:end], pieces, scale)
         if done is not None:
             self._pending[unit] = done
         self.count += 1
 
-    def _piece(self, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
+    def _piece(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
                ranges: Sequence[tuple[Any, int, int]], scale: float) -> Any:
         """One piece through the next set of buffers; the event after its copy back (None on the CPU)."""
         n = grad.numel()
@@ -88,9 +129,11 @@ class DeviceRedo:
         with self._stream(self._copy_in):
             if free is not None:
                 self._copy_in.wait_event(free)
+            start = self._now(self._copy_in) if self._trace is not None else None
             for dst, src in zip((p, m, v, g), (*before, grad)):
                 dst.copy_(src, non_blocking=True)
             landed = self._record(self._copy_in)
+            landed_at = landed if landed is not None else time.monotonic_ns()
         with self._stream(self._work):
             if landed is not None:
                 self._work.wait_event(landed)
@@ -101,6 +144,8 @@ class DeviceRedo:
             for dst, src in zip(live, (p, m, v, o)):
                 dst.copy_(src, non_blocking=True)
             done = self._record(self._work)
+        if self._trace is not None:
+            self._trace.append((unit, start, landed_at, done if done is not None else time.monotonic_ns()))
         self._free[self._next] = done
         self._next = (self._next + 1) % REDO_SETS
         return done

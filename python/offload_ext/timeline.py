@@ -2,7 +2,8 @@
 
 Lanes: "python" (the training thread: backward, step, each layer bound for compute), "H2D" and "D2H"
 (each copy from its issue to its landing), "host step" (each slice of a host job: step, accumulate,
-norm), "wait" (the training thread blocked on the host, with the reason). Times are
+norm), "device redo" (clipped redos on the device, per piece: copies in, then step and copies back),
+"wait" (the training thread blocked on the host, with the reason). Times are
 time.monotonic_ns(), the clock the native engine records on. A torch.profiler run around the same code
 adds its GPU streams (kernels, copies) as more lanes on that clock (Timeline.add_profile). Open the JSON
 in ui.perfetto.dev or chrome://tracing; benchmarks/plot_timeline.py draws one step of it as a PNG.
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-LANES = ("python", "H2D", "D2H", "host step", "wait")
+LANES = ("python", "H2D", "D2H", "host step", "device redo", "wait")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch.profiler's device-side events
 
 

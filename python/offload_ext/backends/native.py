@@ -371,9 +371,12 @@ class NativeBackend(Backend):
 
     def start_trace(self) -> None:
         self._engine.start_trace()
+        if self._device_redo is not None:
+            self._device_redo.start_trace()
 
     def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
-        return [tuple(e) for e in self._engine.stop_trace()]
+        redos = self._device_redo.stop_trace() if self._device_redo is not None else []
+        return [tuple(e) for e in self._engine.stop_trace()] + redos
 
     def close(self) -> None:
         self._engine.synchronize()
