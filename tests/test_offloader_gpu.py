@@ -1,6 +1,7 @@
 """Offloader on a real GPU: equivalence with GPU-resident training, copy races, recompute, torch.compile."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -168,6 +169,31 @@ def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_hos
     assert stats["device_redos"] == 4 * 6
     assert losses == host_losses
     _assert_same_weights(host_weights, weights)
+
+
+def test_a_traced_step_puts_the_gpu_redos_on_the_timeline_in_order() -> None:
+    model = TransferHeavy()
+    off = offload_ext.Offloader(model, lr=1e-3, backend="native", device="cuda", max_grad_norm=1e-4,
+                                device_redo_layers=4)
+    x = torch.randn(2, 3072, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    for traced in (False, True):
+        with off.trace() if traced else contextlib.nullcontext() as timeline:
+            off.backward(model(x).float().pow(2).mean())
+            off.step()
+            testing.settle(off)
+    off.close()
+    redos = [(name, begin, end, unit) for lane, name, begin, end, unit in timeline.events if lane == "device redo"]
+    step = [(begin, end) for lane, name, begin, end, _ in timeline.events if (lane, name) == ("python", "step")]
+    assert {u for *_, u in redos} == {4, 5, 6, 7} and len(step) == 1
+    copies_in = [(b, e) for name, b, e, _ in redos if name.startswith("copy in")]
+    assert len(copies_in) == len(redos) // 2 == 4  # one piece a layer
+    # on the engine's clock: issued inside step(), the copies in one after another, each before its step
+    assert all(step[0][0] - 50_000 <= b <= e for b, e in copies_in)
+    assert all(a[1] <= b[0] + 50_000 for a, b in zip(copies_in, copies_in[1:]))  # 50 us of clock conversion
+    for name, begin, end, unit in redos:
+        if name.startswith("step"):
+            landed = next(e for n, b, e, u in redos if u == unit and n.startswith("copy in"))
+            assert abs(begin - landed) <= 50_000 and end >= begin
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
