@@ -959,7 +959,7 @@ def test_device_redo_units_have_their_state_page_locked_in_the_plan(precision, s
     moved = sum(b.nbytes for b in redo.pinned_blocks()) - sum(b.nbytes for b in plain.pinned_blocks())
     assert moved > 0 and moved == sum(b.nbytes for b in plain.pageable_blocks()) - sum(
         b.nbytes for b in redo.pageable_blocks())
-    moments = [b for b in redo.pinned_blocks() if b.what == "moments"]
+    moments = [b for b in redo.pinned_blocks() if b.what == "moments (redone on the device)"]
     # both moments and both second moments; mixed: the fp32 master and its second too (as large as a moment)
     assert len(moments) == 2 and moved == state_spans * moments[0].nbytes
     assert redo.need().total == plain.need().total

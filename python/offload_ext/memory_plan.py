@@ -363,7 +363,7 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
               (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
               ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers),
-              ("clipped redos on the device (two pieces of params, moments, gradients)",
+              ("clipped redos on the device",
                0 if frozen else redo_buffer_bytes(choices.layout, choices.device_redo_units, precision))]
     if cuda:
         static.append(("cuBLAS workspace", CUBLAS_WORKSPACE))

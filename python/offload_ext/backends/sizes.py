@@ -188,8 +188,9 @@ class NativeHostPlan:
         """In new_layer()'s order: both moments, then ("mixed") the fp32 master; page-locked for a unit whose
         redos run on the device."""
         redo = index in self.device_redo_units
-        blocks = [self._block("moments", moment_bytes(self.precision) * trainable, redo)] * 2
-        return blocks + ([self._block("fp32 master", 4 * trainable, redo)] if self.precision == "mixed" else [])
+        tag = " (redone on the device)" if redo else ""
+        blocks = [self._block("moments" + tag, moment_bytes(self.precision) * trainable, redo)] * 2
+        return blocks + ([self._block("fp32 master" + tag, 4 * trainable, redo)] if self.precision == "mixed" else [])
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
         return HostBlock(what, page_round(raw + ALIGN), pinned)
