@@ -145,7 +145,7 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
         asked = NativeHostPlan.choose(precision, sizes, own, grad_slots=choices.grad_slots,
                                       accumulate=choices.policy.accumulates, speculative_units=spec,
                                       grad_accum=choices.policy.host_grad_accum, kept_layers=choices.kept_layers,
-                                      device_redo_units=choices.device_redo_units & spec)
+                                      device_redo_units=choices.device_redo_units)
         fitted = asked.fitted(available)
         counts = (len(fitted.speculative_units), len(asked.speculative_units)) if asked.speculative_units else None
         return HostPlan(fitted.need(), tuple(fitted.alternatives()), counts)

@@ -49,8 +49,9 @@ class NativeBackend(Backend):
         self._speculative_units = speculative_units
         self._hedged_units = hedged_units & speculative_units
         self._speculating = speculative_units  # this step's
-        # Clipping triggered: these units' redos run on the device (offload_ext.device_redo).
-        self._device_redo_units = device_redo_units & speculative_units if grad_accum == 1 else frozenset()
+        # Clipping triggered: these units' redos run on the device (offload_ext.device_redo); plan() keeps those
+        # that speculate.
+        self._device_redo_units = device_redo_units
         self._device_redo: DeviceRedo | None = None  # prepare()
         self._groups: list[tuple[tuple[int, int, int], ...]] = []  # per unit: (group, begin, end)
         self._hypers: list[Hyper] = []  # this step's, per group
@@ -116,7 +117,7 @@ class NativeBackend(Backend):
         self._host_plan = fitted
         self._speculative_units = fitted.speculative_units
         self._hedged_units &= self._speculative_units
-        self._device_redo_units &= self._speculative_units
+        self._device_redo_units = fitted.device_redo_units
         self._speculating = self._speculative_units
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:

@@ -18,26 +18,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// adamw_update's vector interface, one lane. On the host side (never launched) the same operations in plain
-// C++, so that nvcc's host pass of the template has something to call.
+// adamw_update's vector interface, one lane, each operation rounded once (only kernels instantiate it, so
+// nvcc never needs a host side of these).
 struct DeviceLane {
   using F = float;
-  OFFLOAD_EXT_HD static F set1(float x) { return x; }
-#if defined(__CUDA_ARCH__)
+  __device__ static F set1(float x) { return x; }
   __device__ static F add(F a, F b) { return __fadd_rn(a, b); }
   __device__ static F sub(F a, F b) { return __fsub_rn(a, b); }
   __device__ static F mul(F a, F b) { return __fmul_rn(a, b); }
   __device__ static F div(F a, F b) { return __fdiv_rn(a, b); }
   __device__ static F sqrt(F a) { return __fsqrt_rn(a); }
   __device__ static F fmadd(F a, F b, F c) { return __fmaf_rn(a, b, c); }
-#else
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return __builtin_sqrtf(a); }
-  static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
-#endif
 };
 
 // The gradient as the step reads it: as stored, or bf16(grad * scale) (adamw_kernel.h's kGradScale).

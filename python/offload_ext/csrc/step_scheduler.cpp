@@ -384,8 +384,12 @@ void StepScheduler::rethrow_locked() {
 void StepScheduler::wait(int id) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_unit_locked(id);
+  wait_unit_locked(lock, id);
+}
+
+void StepScheduler::wait_unit_locked(std::unique_lock<std::mutex>& lock, int id) {
   ++waiters_[id];
-  work_cv_.notify_all();  // a held job of this unit may run now
+  work_cv_.notify_all();  // a held job of this unit may run now, and its jobs go first
   wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
   --waiters_[id];
   rethrow_locked();
@@ -497,11 +501,7 @@ void StepScheduler::take_over(int id) {
       break;
     }
   }
-  ++waiters_[id];  // whatever of the unit still runs goes first
-  work_cv_.notify_all();
-  wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
-  --waiters_[id];
-  rethrow_locked();
+  wait_unit_locked(lock, id);
 }
 
 double StepScheduler::sq_norm(int id) const {

@@ -170,6 +170,8 @@ class StepScheduler {
   // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
   template <class Done>
   void wait_locked(std::unique_lock<std::mutex>& lock, Done done);
+  // wait(id)'s blocking part (id checked): its jobs go first meanwhile; rethrows a step's failure.
+  void wait_unit_locked(std::unique_lock<std::mutex>& lock, int id);
 
   std::shared_ptr<ThreadPool> pool_;
   std::vector<StepUnit> units_;
