@@ -154,6 +154,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    ap.add_argument("--sync-each-forward", action="store_true",
+                    help="synchronise after each forward and read each micro-batch's loss (the loop before run 61)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--stem", default=None)
     a = ap.parse_args()
@@ -307,7 +309,7 @@ class _ForwardClock:
 
 
 def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
-                timeline: Timeline | None = None) -> tuple:
+                timeline: Timeline | None = None, sync_each: bool = False) -> tuple:
     """One step over the micro-batches: (loss, summed forward seconds, whether it clipped). A resident step
     marks its backward passes and step on `timeline` (the Offloader marks its own). Nothing synchronises
     within the step but what the recipe needs (clipping's norm); the losses are read at its end."""
@@ -319,12 +321,16 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
         clock.start()
         loss = offload_ext.causal_lm_loss(model, tokens) / len(micro)
         clock.stop()
+        if sync_each:
+            _sync()
         if off is not None:
             off.backward(loss)
         else:
             with span(timeline, "python", "backward"):
                 loss.backward()
         losses.append(loss.detach())
+        if sync_each:
+            loss.item()
     if off is not None:
         off.step()
         off.zero_grad()
@@ -382,7 +388,7 @@ def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[s
     for k in range(a.warmup + a.steps):
         before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
-        loss, t_fwd, did_clip = _train_step(mode, model, off, opt, micro)
+        loss, t_fwd, did_clip = _train_step(mode, model, off, opt, micro, sync_each=a.sync_each_forward)
         _sync()
         losses.append(loss)
         if k >= a.warmup:
