@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
 
 import pytest
@@ -344,9 +345,11 @@ def test_a_failed_host_step_surfaces_at_the_next_call(async_step) -> None:
     off = offload_ext.Offloader(model, backend="native", device="cpu", async_step=async_step)
     testing.fail_next_host_step(off)
     x = batches(1)[0]
-    off.backward(model(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="injected failure"):
-        off.step()  # synchronous: raises here; asynchronous: here or in the next forward at the latest
+        # asynchronous, with a buffer per layer: already inside backward (the failed layer's copy up after its
+        # step), else in step() or the next forward at the latest; synchronous: in step()
+        off.backward(model(input_ids=x, labels=x).loss)
+        off.step()
         model(input_ids=x, labels=x)
 
 
@@ -403,6 +406,46 @@ def test_device_layers_keep_the_last_forward_layers_for_their_recompute(backend)
             assert torch.equal(a, b)
     # Per step: 4 forward copies, plus a recompute copy for each layer not still on the device.
     assert copies == {2: 4 + 2, 3: 4 + 1, 4: 4}
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+def test_a_layer_with_a_buffer_of_its_own_goes_up_after_its_step_and_trains_exactly(accumulate_on_device) -> None:
+    # device_layers = the stack: each layer's new weights are copied up once its host step is done (inside
+    # backward, or at the latest in step(): here every step is done by then), and the next forward binds them
+    # without another copy. Summed on the host, the first micro-batch's copies to the host are not steps:
+    # nothing may go up after them (stale weights would change the losses).
+    base, data = tiny_llama(layers=4), batches(6)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
+                                device_layers=4, accumulate_on_device=accumulate_on_device)
+    testing.delayed_copies(off, 500)
+    losses, copies = [], [(0, off.stats()["layer_copies_h2d"])]  # layer 0, copied up at set-up
+    for k, x in enumerate(data):
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
+        if k % 2:
+            while testing.pending_units(off):
+                time.sleep(0.001)
+            off.step()
+            off.zero_grad()
+            stats = off.stats()
+            copies.append((stats["early_layer_copies"], stats["layer_copies_h2d"]))
+    off.close()
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    # the first forward copies layers 1-3 up; from then on, each step copies every layer once, right after its step
+    assert copies == [(0, 1), (4, 8), (8, 12), (12, 16)]
+
+
+def test_no_layer_goes_up_before_the_next_forward_where_clipping_may_redo_its_step() -> None:
+    model = tiny_llama(layers=4)
+    off = offload_ext.Offloader(model, lr=LR, backend="native", device="cpu", device_layers=4, max_grad_norm=1.0)
+    offloaded_training(off, model, batches(2))
+    assert off.stats()["early_layer_copies"] == 0
+    off.close()
 
 
 def test_python_backend_layer_buffers_are_disjoint_page_aligned_views_of_one_allocation() -> None:

@@ -11,6 +11,12 @@ the compute stream's point: the copy issued at the bind waits for that point, as
 have, not for the layer before it as well (which made copy and compute take turns in every such layer: B1
 without recompute, one slot per layer, forward 88 ms against 53, run 48). Anything else bound to the
 buffer in between drops the mark, since its kernels come after it.
+
+With a buffer per position (`eager`: and steps no clipping can redo), a layer's new weights go up as soon as
+its host step is done, still inside the backward that produced its gradients (its buffer is free once they
+are out), instead of when the next forward binds it. After the short last backward of an accumulation the
+host is still stepping the lowest layers when the forward starts, and the forward was copy-bound behind
+them (half a batch computes a layer in less time than its copy takes, run 63).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from .timeline import Timeline
 
 
 class DeviceRing:
-    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int) -> None:
+    def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int,
+                 eager: bool = False) -> None:
         self.units = part.units
         self.host = host            # per position: the unit's host buffers
         self.backend = backend
@@ -33,8 +40,13 @@ class DeviceRing:
         self.filled: list[Any] = [None] * buffers        # per buffer: the copy that filled it
         self.wanted: list[tuple[int, Any] | None] = [None] * buffers  # per buffer: (position, compute mark)
         self.copies = 0                                   # host-to-device layer copies so far
+        self.early = 0                                    # of them, copied up right after their step (eager)
         self.pointed = [False] * len(self.units)          # per position: parameters are views of its buffer
         self.timeline: Timeline | None = None             # set while the Offloader traces
+        self.eager = eager and buffers >= len(self.units)
+        self.stepping: list[int] = []  # eager: positions whose final step is queued, not yet copied up
+        self.fresh: set[int] = set()   # eager: positions copied up after that step, before the next restart
+        self.final = True              # the backward running is its step's last micro-batch
 
     def __len__(self) -> int:
         return len(self.units)
@@ -88,8 +100,32 @@ class DeviceRing:
         self.bind(i)
         self.prefetch(i - 1 if recompute else i + 1)
 
-    def restart(self) -> None:
-        """The host weights changed (a step or a load): every device copy is stale; prefetch position 0."""
-        self.holds = [None] * len(self.buffers)
+    def begin_backward(self, last: bool) -> None:
+        """The coming backward is its step's last micro-batch or not (before it, a flush is summed on the
+        host, and the weights stay as they are)."""
+        self.final = last
+
+    def flushed(self, i: int) -> None:
+        """Position i's gradients went to the host."""
+        if self.eager and self.final:
+            self.stepping.append(i)
+
+    def upload_stepped(self) -> None:
+        """Copy up the new weights of every position whose step is done (after the compute enqueued so far,
+        which is the last to read the old ones)."""
+        for i in [i for i in self.stepping if self.backend.ready(self.units[i].index)]:
+            self.stepping.remove(i)
+            self.load(i)
+            self.fresh.add(i)
+            self.early += 1
+
+    def restart(self, stepped: bool = True) -> None:
+        """The host weights changed (a step, or a load when `stepped` is False): every device copy is stale
+        but those copied up after their step; prefetch position 0."""
+        if stepped:
+            self.upload_stepped()
+        self.holds = [h if stepped and h in self.fresh else None for h in self.holds]
+        self.stepping.clear()
+        self.fresh.clear()
         self.wanted = [None] * len(self.buffers)
         self.prefetch(0)

@@ -50,8 +50,9 @@ def sums_on_device(choice: bool | None, grad_accum: int, parts: Sequence[Part], 
 
 class GradPath:
     def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int,
-                 sum_on_device: bool = False) -> None:
+                 sum_on_device: bool = False, on_flush: Callable[[int], None] = lambda i: None) -> None:
         self.part = part
+        self.on_flush = on_flush  # position i's gradients went to the host for its step
         self.host = host
         self.backend = backend
         # Position i gathers into buffer i % len(buffers): a ring shared by the units, or with accumulation
@@ -129,6 +130,7 @@ class GradPath:
             if self.last_micro:
                 src = self.buffers[i % len(self.buffers)][: unit.trainable_numel]
                 self.drained[i % len(self.buffers)] = self.backend.flush_grads(unit.index, self.host[i], src)
+                self.on_flush(i)
 
     def check_complete(self, name_of: Callable[[nn.Parameter], str]) -> None:
         """Raise if a unit got only some of its gradients in the last backward (and forget them)."""

@@ -65,6 +65,7 @@ def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None
         ring.before_layer(i, recompute)
         if recompute:
             path.before_backward(i)
+            ring.upload_stepped()
     return before
 
 class Offloader(torch.optim.Optimizer):
@@ -247,8 +248,13 @@ class Offloader(torch.optim.Optimizer):
         for part in self.layout.parts:
             host = [self._host[u.index] for u in part.units]
             buffers = min(len(part.units), device_layers) if part.layers else 1
-            rings.append(DeviceRing(part, host, self._backend, buffers))
-            paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device))
+            # Eager uploads only where a step, once queued, is final: no clipping redoes it, and the
+            # backend steps in the background (the python backend steps inside step()).
+            eager = bool(part.layers) and self._backend.asynchronous and self._policy.max_grad_norm is None
+            ring = DeviceRing(part, host, self._backend, buffers, eager)
+            rings.append(ring)
+            paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device,
+                                  on_flush=ring.flushed))
         return rings, paths
 
     # ------------------------------------------------------------------ training API
@@ -299,8 +305,10 @@ class Offloader(torch.optim.Optimizer):
         hypers = self._hypers()
         self._saved.measuring = False  # "auto" counts what the first micro-batch's forward saved
         self._policy.begin_backward(self._backend)
-        for path in self._grad_paths:
-            path.begin_micro(first=self._policy.micro == 1, last=self._policy.micro == self._policy.grad_accum)
+        first, last = self._policy.micro == 1, self._policy.micro == self._policy.grad_accum
+        for path, ring in zip(self._grad_paths, self._rings):
+            path.begin_micro(first=first, last=last)
+            ring.begin_backward(last)
         self._backend.begin_step(hypers)
         with span(self._timeline, "python", "backward"):
             loss.backward()
@@ -365,9 +373,9 @@ class Offloader(torch.optim.Optimizer):
         """Streamed layers' grads are consumed by their hooks; this clears the device parameters'."""
         self._device_opt.zero_grad()
 
-    def _restart_rings(self) -> None:
+    def _restart_rings(self, stepped: bool = True) -> None:
         for ring in self._rings:
-            ring.restart()
+            ring.restart(stepped)
         if self.layout.outside is not None:
             self._rings[-1].bind(0)  # used from the first op on: the compute stream waits for it
 
@@ -426,7 +434,7 @@ class Offloader(torch.optim.Optimizer):
         self._step = int(state["step"])
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
-        self._restart_rings()
+        self._restart_rings(stepped=False)
 
     @classmethod
     def from_config(cls, config: Any, seed: int = 0, **kwargs: Any) -> Offloader:
@@ -460,7 +468,8 @@ class Offloader(torch.optim.Optimizer):
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
         return {"step": self._step, "last_step_wait_s": self.last_step_wait,
                 "host_wait_s": self._backend.wait_seconds(),
-                "layer_copies_h2d": sum(r.copies for r in self._rings), "kept_layers": self.kept_layers,
+                "layer_copies_h2d": sum(r.copies for r in self._rings),
+                "early_layer_copies": sum(r.early for r in self._rings), "kept_layers": self.kept_layers,
                 **setup, **self._backend.stats()}
 
     def close(self) -> None:
