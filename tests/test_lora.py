@@ -47,6 +47,18 @@ def test_a_peft_model_trains_like_without_offload_and_steps_its_adapters_only(pr
             assert torch.equal(a, frozen[name].bfloat16()), name  # the base weights are never stepped
 
 
+def test_a_layer_with_frozen_base_weights_waits_for_the_next_forward_to_go_up() -> None:
+    # Its input gradient through the base weights may still be computed after the adapters' gradients land: a
+    # copy up right after its step could overwrite a buffer a later kernel reads. Exact and never early.
+    base = _lora(tiny_llama(layers=3), ["q_proj", "v_proj"])
+    ref_losses, _ = reference_training(base, batches(4), "bf16", LR, WD)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, device="cpu", device_layers=3)
+    assert offloaded_training(off, model, batches(4)) == ref_losses
+    assert off.stats()["early_layer_copies"] == 0
+    off.close()
+
+
 def test_the_saved_adapter_loads_with_peft(tmp_path) -> None:
     base = tiny_llama(layers=2)
     model = _lora(base, ["q_proj", "v_proj"])

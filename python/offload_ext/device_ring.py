@@ -106,8 +106,11 @@ class DeviceRing:
         self.final = last
 
     def flushed(self, i: int) -> None:
-        """Position i's gradients went to the host."""
-        if self.eager and self.final:
+        """Position i's gradients went to the host. Once every parameter of a layer has its gradient, every
+        kernel that reads its weights has been enqueued (each computes that weight's gradient too), unless
+        some are frozen (LoRA's base: its input gradient may still be to come): those layers go up as before."""
+        unit = self.units[i]
+        if self.eager and self.final and unit.trainable == len(unit.spans):
             self.stepping.append(i)
 
     def upload_stepped(self) -> None:
