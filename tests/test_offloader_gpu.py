@@ -123,11 +123,12 @@ def _train_transfer_heavy(backend: str, delay: bool, steps: int = 4, step_delay_
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x = torch.randn(2, 3072, generator=gen).to("cuda", torch.bfloat16)
-        loss = model(x).float().pow(2).mean()
-        off.backward(loss)
+        for _ in range(off.grad_accum):
+            x = torch.randn(2, 3072, generator=gen).to("cuda", torch.bfloat16)
+            loss = model(x).float().pow(2).mean()
+            off.backward(loss)
+            losses.append(loss.item())
         off.step()
-        losses.append(loss.item())
     weights = off.model_state_dict()
     if stats is not None:
         stats.update(off.stats())
@@ -205,6 +206,20 @@ def test_layers_kept_on_the_device_for_recompute_train_exactly_like_two_buffers(
     assert losses == plain_losses
     _assert_same_weights(plain_weights, weights)
     assert (stats["early_layer_copies"] > 0) == (backend == "native")
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+def test_early_copies_up_with_two_micro_batches_train_like_the_synchronous_step(accumulate_on_device) -> None:
+    # A buffer per layer and two micro-batches: each layer goes up inside the last backward once its step is
+    # done (1 ms a step: some during backward, some in step(), under random copy delays), never after the first
+    # micro-batch (summed on the host, its copies down are not steps).
+    kw = dict(device_layers=8, grad_accum=2, accumulate_on_device=accumulate_on_device)
+    sync_losses, sync_weights = _train_transfer_heavy("native", delay=False, async_step=False, **kw)
+    stats: dict = {}
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=1_000, stats=stats, **kw)
+    assert losses == sync_losses
+    _assert_same_weights(sync_weights, weights)
+    assert stats["early_layer_copies"] > 0
 
 
 def test_kept_layers_on_a_slow_host_train_exactly_like_the_synchronous_step() -> None:
