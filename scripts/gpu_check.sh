@@ -6,7 +6,7 @@
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
-# B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (train-b2 samples host memory into
+# B2_MODES, B2_DS_MODES: train-b2's and train-b2-ds's modes (DS_STEPS, DS_WARMUP: its steps; train-b2 samples host memory into
 # $OUT/host_memory_b2.log); TIMELINE_MODES: timeline's modes (resident ones too), TIMELINE_PRESET=b2: of the 8B shape under the 24 GB
 # cap; TRACE_GPU=1: with the profiler's GPU streams merged in.
 #   OUT=/tmp/out OFFLOAD_EXT_RESULTS_COMMIT=<local short hash> bash scripts/gpu_check.sh [step ...]
@@ -162,8 +162,10 @@ for step in "${steps[@]}"; do
     train-b2)  # the 8B shape: resident uncapped, offload under a 24 GB cap, clipping never / always triggering
       run train_b2 python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
         --memory-log "$OUT/host_memory_b2.log" --modes "${B2_MODES:-resident-clip,native-bf16,native-bf16-clip,native-bf16-clipall}" ;;
-    train-b2-ds)  # DeepSpeed's ZeRO-3 offload on the same B2 recipe, in a process of its own (its host peak is high)
-      run train_b2_ds python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 4 --warmup 2 \
+    train-b2-ds)  # DeepSpeed's ZeRO-3 offload on the same B2 recipe, in a process of its own (its host peak is high);
+      # DS_STEPS / DS_WARMUP: 2 and 1 fit it into a call beside the B1 and B2 recipes (run 63)
+      run train_b2_ds python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps "${DS_STEPS:-4}" \
+        --warmup "${DS_WARMUP:-2}" \
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
     timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
       modes=${TIMELINE_MODES:-native-bf16,native-bf16-clipall,native-bf16-accum2}
