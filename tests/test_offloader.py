@@ -1028,3 +1028,33 @@ def test_speculative_clipping_steps_the_host_during_backward(speculative) -> Non
         assert any(e[1].startswith(("scale + step from before (redo)", "scale + step")) for e in steps)  # the redo
     else:
         assert not during  # every step waits for the norm, after backward
+
+
+class _BlockWithUnusedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.unused = nn.Linear(16, 16)  # trainable, never in the loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _StackWithUnusedWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_BlockWithUnusedWeight() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_layer_parameter_outside_the_loss_is_named_in_steps_error(backend) -> None:
+    model = _StackWithUnusedWeights()
+    off = offload_ext.Offloader(model, backend=backend, device="cpu")
+    off.backward(model(torch.randn(2, 16).bfloat16()).float().pow(2).mean())
+    with pytest.raises(RuntimeError, match=r"got gradients for only 2 of its 4 .*blocks\.\d\.unused\.weight"):
+        off.step()
