@@ -524,8 +524,7 @@ def main() -> None:
         if memory:
             rows[-1]["host_rss_peak_gb"] = memory.peak()
         # The row's table line at once (peers that ran before it): a run cut short keeps its lines in the log.
-        done = {mm.recipe: r for mm, r in zip(modes, rows) if mm.backend == "resident"}
-        print(_table_line(dict(rows[-1]), done.get(m.recipe)), flush=True)
+        print(_table_line(dict(rows[-1]), _peers(modes[:len(rows)], rows)[-1]), flush=True)
     if memory:
         memory.close()
     resident = next((r for m, r in zip(modes, rows) if m.backend == "resident" and m.recipe == (None, 1, None, "all")),
