@@ -158,5 +158,4 @@ def hedged_units(layout: Layout) -> frozenset[int]:
 def device_redo_units(layout: Layout, per_stack: int) -> frozenset[int]:
     """The top `per_stack` units of each stack, whose clipped redo runs on the device (offload_ext.device_redo):
     the next forward needs them last, so the host redoes the ones below from the lowest up meanwhile."""
-    return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) - per_stack:]
-                     if per_stack > 0)
+    return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) - per_stack:])
