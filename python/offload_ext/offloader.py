@@ -86,10 +86,10 @@ class Offloader(torch.optim.Optimizer):
     activation_offload: the input each checkpointed layer keeps waits in pinned host memory between its
     forward and its backward (offload_ext.activation_offload).
 
-    device_redo_layers: with speculative clipping in "bf16" (one micro-batch a step), when clipping triggers
-    the top N layers of each stack are redone on the device while the host redoes the rest
-    (offload_ext.device_redo); None: a third of each stack. Their moments are page-locked, and the device
-    holds two layers' params, moments and gradients for it.
+    device_redo_layers: with speculative clipping in "bf16" or "mixed" (one micro-batch a step), when clipping
+    triggers the top N layers of each stack are redone on the device while the host redoes the rest
+    (offload_ext.device_redo); None: a third of each stack. Their moments (and "mixed"'s masters) are
+    page-locked, and the device holds two pieces of params, moments and gradients for it.
     """
 
     def __init__(
