@@ -13,7 +13,8 @@ threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N l
 the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
 host steps not sliced (one unit at a time, as
 before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
-speculative_clip=False, aoff for activation_offload=True, hostsum for accumulate_on_device=False
+speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, hostsum for
+accumulate_on_device=False
 (micro-batches summed on the host; by default on the GPU when the sums fit). The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
@@ -269,7 +270,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 accumulate_on_device=False if "hostsum" in mode.options else None,
                                 resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
                                 weights=weights,
-                                activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options)
+                                activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
+                                eager_uploads="lazy" not in mode.options)
     return model, off, None
 
 

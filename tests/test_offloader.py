@@ -440,6 +440,31 @@ def test_a_layer_with_a_buffer_of_its_own_goes_up_after_its_step_and_trains_exac
     assert copies == [(0, 1), (4, 8), (8, 12), (12, 16)]
 
 
+def test_eager_uploads_off_keeps_each_copy_at_the_next_forward_and_trains_exactly() -> None:
+    base, data = tiny_llama(layers=4), batches(4)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
+                                device_layers=4, eager_uploads=False)
+    losses = []
+    for k, x in enumerate(data):
+        loss = model(input_ids=x, labels=x).loss
+        off.backward(loss)
+        losses.append(loss.item())
+        if k % 2:
+            off.step()
+            off.zero_grad()
+    stats = off.stats()
+    off.close()
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    assert stats["early_layer_copies"] == 0
+    # two steps: the first forward's four, then each layer once after the first step (at the next forward),
+    # and layer 0 prefetched again after the second
+    assert stats["layer_copies_h2d"] == 4 + 4 + 1
+
+
 def test_no_layer_goes_up_before_the_next_forward_where_clipping_may_redo_its_step() -> None:
     model = tiny_llama(layers=4)
     off = offload_ext.Offloader(model, lr=LR, backend="native", device="cpu", device_layers=4, max_grad_norm=1.0)

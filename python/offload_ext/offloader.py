@@ -90,6 +90,11 @@ class Offloader(torch.optim.Optimizer):
     triggers the top N layers of each stack are redone on the device while the host redoes the rest
     (offload_ext.device_redo); None: a third of each stack. Their moments (and "mixed"'s masters) are
     page-locked, and the device holds two pieces of params, moments and gradients for it.
+
+    eager_uploads: with a device buffer per streamed layer (device_layers at least the stack's), no clipping
+    and the native backend's background steps, a layer's new weights are copied up as soon as its host step
+    is done, inside the last backward, instead of when the next forward binds it. False keeps the copy at
+    the bind (offload_ext.device_ring).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Offloader(torch.optim.Optimizer):
         activation_checkpointing: str | int = "all",
         gpu_memory_budget: int | None = None,
         activation_offload: bool = False,
+        eager_uploads: bool = True,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
@@ -174,7 +180,7 @@ class Offloader(torch.optim.Optimizer):
             self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
                                                         weights=weights, pool=readers)
                                               for part in self.layout.parts for u in part.units]
-        self._rings, self._grad_paths = self._device_side(device_layers)
+        self._rings, self._grad_paths = self._device_side(device_layers, eager_uploads)
         t2 = time.perf_counter()
         self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
                                            self._hyper_dicts(), group_of, sr_seed)
@@ -241,7 +247,7 @@ class Offloader(torch.optim.Optimizer):
         model, weights = from_pretrained_empty(name_or_path)
         return cls(model, weights=weights, **kwargs)
 
-    def _device_side(self, device_layers: int) -> tuple[list[DeviceRing], list[GradPath]]:
+    def _device_side(self, device_layers: int, eager_uploads: bool) -> tuple[list[DeviceRing], list[GradPath]]:
         """Per part, the device buffers: `device_layers` for weights (one for the part outside the
         stacks, bound throughout) and up to two for gradients."""
         rings, paths = [], []
@@ -250,7 +256,8 @@ class Offloader(torch.optim.Optimizer):
             buffers = min(len(part.units), device_layers) if part.layers else 1
             # Eager uploads only where a step, once queued, is final: no clipping redoes it, and the
             # backend steps in the background (the python backend steps inside step()).
-            eager = bool(part.layers) and self._backend.asynchronous and self._policy.max_grad_norm is None
+            eager = (eager_uploads and bool(part.layers) and self._backend.asynchronous
+                     and self._policy.max_grad_norm is None)
             ring = DeviceRing(part, host, self._backend, buffers, eager)
             rings.append(ring)
             paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device,
