@@ -48,6 +48,7 @@ import dataclasses
 import gc
 import hashlib
 import os
+import re
 import statistics
 import time
 import traceback
@@ -78,6 +79,7 @@ PRESETS = {
                      seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy")  # the mode suffixes without a number
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
@@ -112,6 +114,9 @@ class Mode:
         if backend == "deepspeed" and (options or lora or ckpt != "all" or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
                              "and the clip and accum suffixes only")
+        unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(r"(t|g|d|r|dr)\d+", o)]
+        if unknown:
+            raise SystemExit(f"bench_train: mode {name!r}: unknown suffix {unknown[0]!r} (see --help for the suffixes)")
         if backend == "resident" and ckpt not in ("all", "none"):
             raise SystemExit(f"bench_train: mode {name!r}: resident modes checkpoint every layer or none (ckptnone)")
         return cls(name, backend, precision, options, clip, accum, lora, ckpt)
