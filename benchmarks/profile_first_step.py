@@ -1,8 +1,9 @@
 """Where offload-train's first step goes: the whole run (set-up and N steps) under torch.profiler.
 
 Prints the ops by CPU time and by device time, writes the Chrome trace. offload-train checkpoints at its
-end (48 GB at 8 B): stop it before with SIGINT (`timeout -s INT 90 python ...`); the tables cover what ran. Issue 12's "first step within
-15 s" is the target: the first step took ~3 s where later ones take ~1 (run 55); this says which ops.
+end (48 GB at 8 B): stop it before with SIGINT (`timeout -s INT 90 python ...`); the tables cover what
+ran. Issue 12's "first step within 15 s" is the target: the first step took ~3 s where later ones take ~1
+(run 55); this says which ops.
 
     python benchmarks/profile_first_step.py --out /tmp/prof -- --model llama-8b --device cuda --steps 2 \
         --batch-size 1 --seq-len 4096
