@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -465,18 +466,24 @@ void StepScheduler::wait_norms() {
   rethrow_locked();
 }
 
+std::deque<StepScheduler::Queued>::iterator StepScheduler::unstarted_speculation_locked(int id) {
+  for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
+    if (it->unit != id) continue;
+    const bool unstarted = it->job == Job::kSpeculativeStep && it->begin == 0;
+    return unstarted ? std::prev(it.base()) : queue_.end();
+  }
+  return queue_.end();
+}
+
 void StepScheduler::redo(int id, float scale) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     check_unit_locked(id);
-    for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
-      if (it->unit != id) continue;
-      if (it->job == Job::kSpeculativeStep && it->begin == 0) {  // not started: step once, clipped, in place
-        it->job = Job::kScaleStep;
-        it->scale = scale;
-        return;
-      }
-      break;
+    const auto it = unstarted_speculation_locked(id);
+    if (it != queue_.end()) {  // not started: step once, clipped, in place
+      it->job = Job::kScaleStep;
+      it->scale = scale;
+      return;
     }
     ++expected_[id];
     queue_.push_back({id, hypers_, Job::kRedo, scale});
@@ -491,15 +498,13 @@ void StepScheduler::take_over(int id) {
     throw std::invalid_argument("StepScheduler: unit " + std::to_string(id) +
                                 " has no second buffers: only a speculative step can be taken over");
   }
-  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-    if (it->unit == id && it->job == Job::kSpeculativeStep && it->begin == 0) {
-      queue_.erase(it);
-      ++stepped_[id];
-      swap_state(units_[id]);
-      swapped_[id] = !swapped_[id];
-      done_cv_.notify_all();
-      break;
-    }
+  const auto it = unstarted_speculation_locked(id);
+  if (it != queue_.end()) {
+    queue_.erase(it);
+    ++stepped_[id];
+    swap_state(units_[id]);
+    swapped_[id] = !swapped_[id];
+    done_cv_.notify_all();
   }
   wait_unit_locked(lock, id);
 }

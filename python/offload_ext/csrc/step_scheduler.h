@@ -162,6 +162,9 @@ class StepScheduler {
   // The job to run next, or queue_.end() when none may run now (all held); requires mutex_.
   std::deque<Queued>::iterator pick_locked();
   bool held_locked(const Queued& q) const;  // requires mutex_
+  // Unit id's last queued job when it is a speculative step no slice of which has run, else queue_.end():
+  // the step redo() turns into a clipped one in place and take_over() drops; requires mutex_.
+  std::deque<Queued>::iterator unstarted_speculation_locked(int id);
   // The job's work on elements [begin, end) of `unit`; its AdamW pass split by the unit's group ranges.
   void run(const StepUnit& unit, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
            const Queued& job);
