@@ -49,6 +49,22 @@ def test_successive_buffers_start_at_different_places_in_their_pages_without_ove
     after = engine.memory_stats()
     assert after["pinned_in_use"] == 0 and after["host_in_use"] == 0, (stats, after)
 
+def test_release_free_memory_unmaps_the_slabs_no_live_block_is_in_and_keeps_the_others() -> None:
+    engine = ops.Engine(-1, 1, False, 1 << 20)  # 1 MB slabs
+    engine.reserve_host_blocks([900 << 10] * 2)  # two blocks that do not share a slab
+    kept, dropped = (engine.host_zeros((900 << 10) // 4 - 1024, torch.float32) for _ in range(2))
+    kept.fill_(3.0)
+    dropped.fill_(4.0)
+    before = engine.memory_stats()["host_reserved"]
+    del dropped
+    assert engine.release_free_memory() == before // 2
+    assert engine.memory_stats()["host_reserved"] == before // 2 and torch.all(kept == 3.0)
+    del kept
+    assert engine.release_free_memory() == before // 2 and engine.memory_stats()["host_reserved"] == 0
+    again = engine.host_zeros(1 << 20, torch.float32)  # allocating after a release adds slabs again
+    assert torch.count_nonzero(again) == 0
+
+
 def test_reserved_blocks_larger_than_a_slab_are_where_the_buffers_go() -> None:
     # A layer larger than a slab (B2: 436 MB against 256 MB slabs) used to get a slab of its own beside
     # the reserved ones, doubling the pinned memory.

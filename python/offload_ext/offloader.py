@@ -485,12 +485,19 @@ class Offloader(torch.optim.Optimizer):
                 **setup, **self._backend.stats()}
 
     def close(self) -> None:
-        """Detach from the model: it becomes an ordinary module on the CPU holding its current weights."""
+        """Detach from the model: it becomes an ordinary module on the CPU holding its current weights. The
+        optimizer state and gradient buffers are given back first; the weights' host buffers stay until the
+        Offloader is dropped (model_state_dict still reads them)."""
         if self._closed:
             return
         self._settle()
         self._backend.close()
-        weights = self.model_state_dict()
+        # The optimizer state goes before the weights are copied out: the copy would otherwise come on top of
+        # the whole engine (qwen-14b: 113 GB at close against 84 GB through training, run 66).
+        for layer in self._host:
+            layer.release_state()
+        self._backend.release_memory()
+        weights = model_weights(self.model, self.layout, self._host)
         for path in self._grad_paths:
             path.unhook()
         for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):

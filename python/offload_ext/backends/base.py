@@ -41,6 +41,11 @@ class LayerBuffers:
     def trainable_params(self) -> torch.Tensor:
         return self.params[: self.trainable]
 
+    def release_state(self) -> None:
+        """Training is over: keep the weights (params), let the gradient buffers and optimizer state go."""
+        self.grads = self.exp_avg = self.exp_avg_sq = self.params.new_empty(0)
+        self.master, self.accum, self.alt = None, None, ()
+
     def swap_state(self) -> None:
         """A speculative step left the live state in the second buffers: swap the fields' roles."""
         param, exp_avg, exp_avg_sq = self.alt
@@ -197,3 +202,7 @@ class Backend(ABC):
 
     def close(self) -> None:
         pass
+
+    def release_memory(self) -> None:
+        """After close(), once the layers let their state go (LayerBuffers.release_state): free what only
+        stepping needed, so that the weights copied out next do not come on top of it."""

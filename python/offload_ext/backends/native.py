@@ -384,3 +384,7 @@ class NativeBackend(Backend):
         self._engine.wait_all()
         if self._device_redo is not None:
             self._device_redo.wait_all()
+
+    def release_memory(self) -> None:
+        self._ring = []
+        self._engine.release_free_memory()

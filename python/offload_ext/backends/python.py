@@ -346,3 +346,7 @@ class PythonBackend(Backend):
             if self._pin:
                 torch.cuda.synchronize(self.device)  # no copy may still use the memory being unlocked
             self._arena.release()
+
+    def release_memory(self) -> None:
+        self._optimizer = None  # its state holds views of the moments
+        self._params, self._fp32_grads = [], []

@@ -149,6 +149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reserve_host_blocks", &Engine::reserve_host_blocks, py::arg("blocks"), Release(),
            "Fault in pageable slabs that hold exactly these blocks (bytes each), to be taken by host_empty "
            "and host_zeros.")
+      .def("release_free_memory", &Engine::release_free_memory, Release(),
+           "Wait for the copies, then unmap the slabs of both pools that hold no live block; the bytes freed.")
       .def("memory_stats", &memory_stats)
       .def("copy", &Engine::copy, py::arg("direction"), py::arg("dst"), py::arg("src"), py::arg("notify_unit") = -1,
            py::arg("job") = Job::kStep, py::arg("trace_unit") = -1, py::arg("then_step") = false,

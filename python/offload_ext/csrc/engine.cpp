@@ -124,6 +124,11 @@ void Engine::reserve_host_blocks(const std::vector<int64_t>& blocks) {
   host_->reserve_blocks(block_sizes("reserve_host_blocks", blocks));
 }
 
+int64_t Engine::release_free_memory() {
+  synchronize();  // an unlocked slab must not be the end of a copy still running
+  return static_cast<int64_t>(pinned_->trim() + host_->trim());
+}
+
 std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit,
                                     Job job, int trace_unit, bool then_step, uintptr_t after_event) {
   // The enums come from Python, where an enum can still be built from any int.

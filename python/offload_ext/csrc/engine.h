@@ -34,6 +34,9 @@ class Engine {
   void reserve_pinned_blocks(const std::vector<int64_t>& blocks);
   // The pageable pool's counterpart: slabs holding exactly these blocks, faulted in on set-up threads.
   void reserve_host_blocks(const std::vector<int64_t>& blocks);
+  // Once its owner is done with the pools (an Offloader closing, its state dropped): waits for the copies,
+  // then unmaps every slab of both pools that holds no live block. Returns the bytes given back.
+  int64_t release_free_memory();
   PinnedStats pinned_stats() const { return pinned_->stats(); }
   PinnedStats host_stats() const { return host_->stats(); }
 

@@ -192,6 +192,27 @@ void PinnedPool::release(char* ptr, size_t bytes) {
   }
 }
 
+size_t PinnedPool::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t freed = 0;
+  // A slab is unused when its start begins a free range as long as the slab (ranges coalesce within it).
+  auto unused = [&](const std::unique_ptr<Slab>& slab) {
+    const auto f = free_.find(slab->base);
+    return f != free_.end() && f->second == slab->bytes;
+  };
+  for (auto& slab : slabs_) {
+    if (!unused(slab)) continue;
+    free_.erase(slab->base);
+    slab_starts_.erase(slab->base);
+    high_water_.erase(slab->base);
+    reserved_ -= slab->bytes;
+    freed += slab->bytes;
+    slab.reset();  // unlocks and unmaps it
+  }
+  slabs_.erase(std::remove(slabs_.begin(), slabs_.end(), nullptr), slabs_.end());
+  return freed;
+}
+
 PinnedStats PinnedPool::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return {reserved_, in_use_, slabs_.size(), page_lock_};

@@ -38,6 +38,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // the reserved ones (a B2 layer is 436 MB: its pinned memory came out twice).
   void reserve_blocks(const std::vector<size_t>& blocks);
   PinnedStats stats() const;
+  // Unmaps (and unlocks) every slab no block is handed out from; returns the bytes given back. For an
+  // owner that is done allocating (an Offloader closing): a later allocate() adds slabs again.
+  size_t trim();
 
  private:
   struct Slab;
