@@ -1,10 +1,19 @@
 """Shared test fixtures: the kernel settings are process-wide, so tests restore them."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 import offload_ext
+
+
+def pytest_configure(config) -> None:
+    # offload-train's machine-wide cache of the embedded corpus (offload_ext.data.cache_dir): one of the
+    # session's own, shared by its tests and the processes they start, never the user's.
+    os.environ["OFFLOAD_EXT_CACHE"] = tempfile.mkdtemp(prefix="offload_ext_cache_")
 
 
 @pytest.fixture

@@ -300,3 +300,38 @@ def test_kept_layers_get_expandable_segments_unless_the_user_set_the_allocator(t
     train.main(["--device", "cpu-sim", "--activation-checkpointing", checkpointing, *budget,
                 "--out", str(tmp_path / "o"), "--dry-run"])
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
+
+
+def _stream_of(out, monkeypatch, cache) -> tuple:
+    from offload_ext import train_setup
+
+    monkeypatch.setenv("OFFLOAD_EXT_CACHE", str(cache))
+    os.makedirs(out, exist_ok=True)
+    args = train.parse_args(["--model", "tiny", "--device", "cpu-sim", "--out", str(out), *FAST])
+    stream, tok, vocab = train_setup.build_stream(args)
+    return stream.tokens, tok.to_str(), vocab
+
+
+def test_a_fresh_out_takes_the_embedded_corpus_from_the_machines_cache(tmp_path, monkeypatch) -> None:
+    from offload_ext import data
+
+    first = _stream_of(tmp_path / "a", monkeypatch, tmp_path / "cache")
+
+    def unread(**kw):
+        raise AssertionError("the corpus was read again")
+    monkeypatch.setattr(data, "stdlib_corpus", unread)
+    second = _stream_of(tmp_path / "b", monkeypatch, tmp_path / "cache")
+    assert (second[0] == first[0]).all() and second[1:] == first[1:]
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(os.listdir(tmp_path / "a"))  # --resume finds them there
+
+
+def test_the_machines_cache_off_or_unwritable_leaves_each_run_to_tokenize(tmp_path, monkeypatch, capsys) -> None:
+    from offload_ext import data
+
+    _stream_of(tmp_path / "a", monkeypatch, "0")
+    assert data.cache_dir() is None
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    tokens = _stream_of(tmp_path / "b", monkeypatch, blocked / "cache")[0]
+    assert "could not cache the tokenized corpus" in capsys.readouterr().out
+    assert len(tokens) > 0 and not os.path.exists(blocked / "cache")

@@ -4,7 +4,9 @@ BPE tokenizer trained on them in seconds) and real data through `datasets`, as o
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from typing import Any
@@ -34,12 +36,35 @@ def stdlib_corpus(max_bytes: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, path: str):
-    """A byte-level BPE trained on `texts`, saved to `path` (and reused from there when present)."""
+def cache_dir() -> str | None:
+    """Where the embedded corpus's tokenizer and tokens are kept between runs: OFFLOAD_EXT_CACHE, else
+    $XDG_CACHE_HOME/offload_ext, else ~/.cache/offload_ext; None when OFFLOAD_EXT_CACHE is empty or 0."""
+    value = os.environ.get("OFFLOAD_EXT_CACHE")
+    if value is not None:
+        return None if value in ("", "0") else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "offload_ext")
+
+
+def embedded_entry(max_bytes: int, vocab_size: int) -> str:
+    """The cache entry's name for the embedded corpus: this Python's standard library, the byte cap, the
+    vocabulary and the tokenizers version decide what training and tokenizing give."""
+    import tokenizers
+
+    what = "|".join((sysconfig.get_paths()["stdlib"], sys.version, str(max_bytes), str(vocab_size),
+                     tokenizers.__version__))
+    return "stdlib-" + hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def train_tokenizer(texts: list[str] | None, vocab_size: int, path: str):
+    """A byte-level BPE trained on `texts`, saved to `path` (and reused from there when present: `texts` may
+    be None then)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if os.path.exists(path):
         return Tokenizer.from_file(path)
+    if texts is None:
+        raise ValueError(f"train_tokenizer: no tokenizer at {path} and no texts to train one on")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,9 +79,14 @@ def _load_tokenizer(name: str, from_flag: str) -> Any:
 _NEEDS_TOKENIZER = "--dataset other than 'stdlib' needs --tokenizer (or a pretrained --model to take it from)"
 
 
+def _tokenizer_name(args: argparse.Namespace) -> str | None:
+    """The HF tokenizer the run uses (None: one trained on the embedded corpus)."""
+    return args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+
+
 def _hf_tokenizer(args: argparse.Namespace) -> Any | None:
     """The HF tokenizer the run uses, loaded (None: one trained on the embedded corpus)."""
-    name = args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+    name = _tokenizer_name(args)
     return _load_tokenizer(name, from_flag="--tokenizer" if args.tokenizer else "--model") if name else None
 
 
@@ -86,10 +94,11 @@ def _embedded_vocab(args: argparse.Namespace) -> int:
     return BUILTIN.get(args.model, BUILTIN["small"])[6]
 
 
-def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
-    """(encode_batch: texts -> their ids, eos_id, vocab_size, tokenizer to save with checkpoints). Batches
-    encode on the tokenizer's own threads: the embedded corpus one file at a time took 3.6 s of the 8 B
-    run's set-up on the GPU machine."""
+def build_tokenizer(args: argparse.Namespace, texts: Callable[[], list[str]] | None):
+    """(encode_batch: texts -> their ids, eos_id, vocab_size, tokenizer to save with checkpoints). `texts`
+    gives the embedded corpus, read only if a tokenizer is to be trained on it (None: another dataset).
+    Batches encode on the tokenizer's own threads: the embedded corpus one file at a time took 3.6 s of the
+    8 B run's set-up on the GPU machine."""
     tok = _hf_tokenizer(args)
     if tok is not None:
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -97,9 +106,11 @@ def build_tokenizer(args: argparse.Namespace, texts: list[str] | None):
     if texts is None:
         raise UsageError(_NEEDS_TOKENIZER)
     vocab = _embedded_vocab(args)
-    tok = data_mod.train_tokenizer(texts, vocab, os.path.join(args.out, "tokenizer.json"))
+    path = os.path.join(args.out, "tokenizer.json")
+    tok = data_mod.train_tokenizer(None if os.path.exists(path) else texts(), vocab, path)
     eos = tok.token_to_id("<|endoftext|>")
     return (lambda ts: [e.ids for e in tok.encode_batch(ts)]), eos, tok.get_vocab_size(), tok
+
 
 
 def bf16_llama(cfg: Any) -> torch.nn.Module:
@@ -179,23 +190,72 @@ def build_model(args: argparse.Namespace, vocab_size: int,
     return AutoModelForCausalLM.from_config(cfg), None
 
 
+def _machine_cache(args: argparse.Namespace, max_bytes: int, vocab: int) -> Callable[[str, str], None]:
+    """The embedded corpus's tokenizer and tokens, copied into a fresh --out from the machine's cache
+    (data.cache_dir) when it has them: a new run skips training the tokenizer and tokenizing (2.5 s of the 8 B
+    start, run 66). Returns what puts the run's two files into the cache afterwards."""
+    root = data_mod.cache_dir()
+    if root is None:
+        return lambda tokenizer, corpus: None
+    entry = os.path.join(root, data_mod.embedded_entry(max_bytes, vocab))
+    names = ("tokenizer.json", "corpus.npy")
+    ours = (os.path.join(args.out, "tokenizer.json"), _corpus_path(args, vocab))
+    if not any(map(os.path.exists, ours)) and all(os.path.exists(os.path.join(entry, n)) for n in names):
+        for n, path in zip(names, ours):
+            _copy_whole(os.path.join(entry, n), path)
+
+    def store(tokenizer: str, corpus: str) -> None:
+        if all(os.path.exists(os.path.join(entry, n)) for n in names):
+            return
+        try:
+            os.makedirs(entry, exist_ok=True)
+            for n, path in zip(names, (tokenizer, corpus)):
+                _copy_whole(path, os.path.join(entry, n))
+        except OSError as exc:  # a read-only home: this run goes on; the next tokenizes again
+            print(f"offload-train: could not cache the tokenized corpus in {entry} ({exc}); set OFFLOAD_EXT_CACHE "
+                  "to a writable directory, or to 0 to stop trying", flush=True)
+    return store
+
+
+def _copy_whole(src: str, dst: str) -> None:
+    """dst whole under its name or not there (ranks of one run, or two runs, may copy at once)."""
+    partial = f"{dst}.{os.getpid()}.partial"
+    shutil.copyfile(src, partial)
+    os.replace(partial, dst)
+
+
+def _corpus_path(args: argparse.Namespace, vocab: int) -> str:
+    return os.path.join(args.out, f"corpus_{vocab}.npy")
+
+
+def _corpus_tokens(path: str, texts: Callable[[], list[str]], encode_batch: Callable[[list[str]], list[list[int]]],
+                   eos: int) -> np.ndarray:
+    """The corpus's tokens, each document followed by eos: from `path` when there, else tokenized and saved."""
+    if os.path.exists(path):
+        return np.load(path)
+    tokens = np.concatenate([np.asarray(ids + [eos], dtype=np.int32) for ids in encode_batch(texts())])
+    np.save(path, tokens)
+    return tokens
+
+
 def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int]:
-    texts = None
     if args.dataset == data_mod.EMBEDDED:
-        texts = data_mod.stdlib_corpus(max_bytes=(8 << 20) if args.model != "tiny" else (2 << 20))
-    encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
-    if texts is not None:
-        cache = os.path.join(args.out, f"corpus_{vocab}.npy")
-        if os.path.exists(cache):
-            tokens = np.load(cache)
-        else:
-            tokens = np.concatenate([np.asarray(ids + [eos], dtype=np.int32) for ids in encode_batch(texts)])
-            np.save(cache, tokens)
+        max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
+        texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes))  # read once, if at all
+        store = lambda tokenizer, corpus: None  # noqa: E731
+        if _tokenizer_name(args) is None:  # the BPE trained on the corpus: the same for every run on this machine
+            store = _machine_cache(args, max_bytes, _embedded_vocab(args))
+        encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
+        path = _corpus_path(args, vocab)
+        tokens = _corpus_tokens(path, texts, encode_batch, eos)
+        store(os.path.join(args.out, "tokenizer.json"), path)
         return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, tokens=tokens), tok, vocab
+    encode_batch, eos, vocab, tok = build_tokenizer(args, None)
     data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # validates the field now
     docs = lambda: data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # noqa: E731
     return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, documents=docs,
                                 encode=lambda t: encode_batch([t])[0], eos_id=eos), tok, vocab
+
 
 
 def check_loss_chunk(args: argparse.Namespace) -> None:
