@@ -28,10 +28,8 @@ _SMALL = {"tiny", "small"}  # the built-ins whose default learning rate is 3e-3
 _QWEN2 = {"qwen-14b"}  # built as Qwen2 (biased q/k/v projections, rope theta 1e6); the rest as Llama
 
 
-
 class UsageError(Exception):
     """Bad input: printed without a traceback, with the fix."""
-
 
 
 def resolve_device(args: argparse.Namespace) -> tuple[torch.device, bool]:
@@ -110,7 +108,6 @@ def build_tokenizer(args: argparse.Namespace, texts: Callable[[], list[str]] | N
     tok = data_mod.train_tokenizer(None if os.path.exists(path) else texts(), vocab, path)
     eos = tok.token_to_id("<|endoftext|>")
     return (lambda ts: [e.ids for e in tok.encode_batch(ts)]), eos, tok.get_vocab_size(), tok
-
 
 
 def bf16_llama(cfg: Any) -> torch.nn.Module:
@@ -255,7 +252,6 @@ def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, i
     docs = lambda: data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # noqa: E731
     return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, documents=docs,
                                 encode=lambda t: encode_batch([t])[0], eos_id=eos), tok, vocab
-
 
 
 def check_loss_chunk(args: argparse.Namespace) -> None:
