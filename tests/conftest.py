@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,8 +13,13 @@ import offload_ext
 
 def pytest_configure(config) -> None:
     # offload-train's machine-wide cache of the embedded corpus (offload_ext.data.cache_dir): one of the
-    # session's own, shared by its tests and the processes they start, never the user's.
-    os.environ["OFFLOAD_EXT_CACHE"] = tempfile.mkdtemp(prefix="offload_ext_cache_")
+    # session's own, shared by its tests and the processes they start, never the user's; gone at its end.
+    config.offload_ext_cache = tempfile.mkdtemp(prefix="offload_ext_cache_")
+    os.environ["OFFLOAD_EXT_CACHE"] = config.offload_ext_cache
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(getattr(config, "offload_ext_cache", ""), ignore_errors=True)
 
 
 @pytest.fixture
