@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import offload_ext
-from helpers import free_port, gloo_mesh, shard_linears
+from helpers import gloo_mesh, shard_linears, spawn_ranks
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -174,7 +173,7 @@ def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str)
 
 
 def _run_fsdp(dtype: torch.dtype, out: str, world: int = 2) -> dict[int, dict]:
-    mp.spawn(_fsdp_worker, args=(world, free_port(), dtype, out), nprocs=world, join=True)
+    spawn_ranks(_fsdp_worker, world, dtype, out)
     return {rank: torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(world)}
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import offload_ext
-from helpers import free_port, gloo_mesh, shard_linears
+from helpers import gloo_mesh, shard_linears, spawn_ranks
 
 
 def _model() -> nn.Module:
@@ -51,7 +50,7 @@ def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def _spawn(worker, out) -> list[dict]:
     """Run worker(rank, 2, port, out) on two processes; what each saved as out/rank<r>.pt."""
-    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(worker, 2, str(out))
     return [torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(2)]
 
 
