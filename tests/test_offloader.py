@@ -446,14 +446,7 @@ def test_eager_uploads_off_keeps_each_copy_at_the_next_forward_and_trains_exactl
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
                                 device_layers=4, eager_uploads=False)
-    losses = []
-    for k, x in enumerate(data):
-        loss = model(input_ids=x, labels=x).loss
-        off.backward(loss)
-        losses.append(loss.item())
-        if k % 2:
-            off.step()
-            off.zero_grad()
+    losses = offloaded_training(off, model, data)
     stats = off.stats()
     off.close()
     assert losses == ref_losses

@@ -190,9 +190,10 @@ def build_model(args: argparse.Namespace, vocab_size: int,
 def _machine_cache(args: argparse.Namespace, max_bytes: int, vocab: int) -> Callable[[str, str], None]:
     """The embedded corpus's tokenizer and tokens, copied into a fresh --out from the machine's cache
     (data.cache_dir) when it has them: a new run skips training the tokenizer and tokenizing (2.5 s of the 8 B
-    start, run 66). Returns what puts the run's two files into the cache afterwards."""
+    start, run 66). Returns what puts the run's two files into the cache afterwards. Only the BPE trained on
+    the corpus is the same for every run on this machine: with an HF tokenizer nothing is cached."""
     root = data_mod.cache_dir()
-    if root is None:
+    if root is None or _tokenizer_name(args) is not None:
         return lambda tokenizer, corpus: None
     entry = os.path.join(root, data_mod.embedded_entry(max_bytes, vocab))
     names = ("tokenizer.json", "corpus.npy")
@@ -239,9 +240,7 @@ def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, i
     if args.dataset == data_mod.EMBEDDED:
         max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
         texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes))  # read once, if at all
-        store = lambda tokenizer, corpus: None  # noqa: E731
-        if _tokenizer_name(args) is None:  # the BPE trained on the corpus: the same for every run on this machine
-            store = _machine_cache(args, max_bytes, _embedded_vocab(args))
+        store = _machine_cache(args, max_bytes, _embedded_vocab(args))
         encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
         path = _corpus_path(args, vocab)
         tokens = _corpus_tokens(path, texts, encode_batch, eos)
