@@ -2,7 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -215,6 +215,11 @@ for step in "${steps[@]}"; do
       run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
+    bytecode)  # what `pip install` leaves and this image lacks: torch's and transformers' bytecode, compiled once on every core
+      # (the models offload-train builds only); a freshly booted machine's first import otherwise compiles ~50 s of it (run 68)
+      run bytecode python3 -m compileall -q -j 0 -x 'transformers/models/(?!(auto|llama|qwen2)/|__init__)' \
+        "$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+        "$(python3 -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" ;;
     cuda-start)  # issue 12: a process's one-time GPU costs, in turn (twice: the machine's first CUDA processes), then overlapped
       for k in 1 2; do run "cuda_start_$k" env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py; done
       run cuda_start_overlap env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py --overlap ;;
