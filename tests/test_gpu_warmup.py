@@ -1,5 +1,5 @@
 """offload-train's GPU warm-up thread: it runs a layer's kinds of work, hands its errors to the joining thread,
-and leaves the run's generators and memory as they were."""
+leaves the run's generators as they were and keeps no memory of its own."""
 from __future__ import annotations
 
 import pytest
@@ -20,10 +20,15 @@ def test_a_warmup_error_is_raised_on_the_joining_thread_naming_the_device() -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_warmup_leaves_the_cuda_generator_and_allocated_memory_as_they_were() -> None:
+def test_the_warmup_leaves_the_cuda_generator_as_it_was_and_keeps_no_memory_of_its_own() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(3)
-    rng, allocated = torch.cuda.get_rng_state(device), torch.cuda.memory_allocated(device)
+    rng = torch.cuda.get_rng_state(device)
     GpuWarmup(device, seq_len=4096).join()
     assert torch.equal(torch.cuda.get_rng_state(device), rng)
+    # cuBLAS's workspaces (32 MiB each for cuBLAS and cuBLASLt on Hopper) stay with the handle the thread gave
+    # back to torch's pool, for the next thread that takes it; a second warm-up takes the same handle, so
+    # anything more would be the warm-up's own tensors, kept.
+    allocated = torch.cuda.memory_allocated(device)
+    GpuWarmup(device, seq_len=4096).join()
     assert torch.cuda.memory_allocated(device) == allocated
