@@ -215,11 +215,14 @@ for step in "${steps[@]}"; do
       run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
-    bytecode)  # what `pip install` leaves and this image lacks: torch's and transformers' bytecode, compiled once on every core
-      # (the models offload-train builds only); a freshly booted machine's first import otherwise compiles ~50 s of it (run 68)
-      run bytecode python3 -m compileall -q -j 0 -x 'transformers/models/(?!(auto|llama|qwen2)/|__init__)' \
-        "$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
-        "$(python3 -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" ;;
+    bytecode)  # what `pip install` leaves and this image lacks: the bytecode of every package offload-train imports (run 70's
+      # import log: transformers pulls in sklearn, pandas, scipy and torchvision where they are installed), compiled once on
+      # every core (the models offload-train builds only, no test suites); a freshly booted machine's first import compiled it
+      # one module at a time: the 8 B meta build took 51 s there (run 68), 10 s with torch's and transformers' alone (run 70)
+      run bytecode python3 -m compileall -q -j 0 -x '/tests?/|transformers/models/(?!(auto|llama|qwen2)/|__init__)' $(python3 -c '
+import importlib.util as u, os
+names = "torch transformers sklearn scipy pandas pyarrow torchvision torchaudio triton sympy mpmath numpy narwhals accelerate joblib huggingface_hub PIL tokenizers safetensors rich psutil jinja2 peft tqdm".split()
+print(" ".join(os.path.dirname(s.origin) for s in map(u.find_spec, names) if s and s.origin))') ;;
     cuda-start)  # issue 12: a process's one-time GPU costs, in turn (twice: the machine's first CUDA processes), then overlapped
       for k in 1 2; do run "cuda_start_$k" env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py; done
       run cuda_start_overlap env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py --overlap ;;
