@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_ext import gpu_warmup
 from offload_ext.gpu_warmup import GpuWarmup
 
 
@@ -12,9 +13,19 @@ def test_the_warmup_runs_a_layers_work_and_joins_cleanly_on_the_cpu() -> None:
     GpuWarmup(torch.device("cpu"), seq_len=64).join()
 
 
-def test_a_warmup_error_is_raised_on_the_joining_thread_naming_the_device() -> None:
-    warmup = GpuWarmup(torch.device("cuda", 99), seq_len=64)  # no machine here has a hundredth GPU
+def test_a_device_that_cannot_be_used_is_a_clear_error_naming_it() -> None:
     with pytest.raises(RuntimeError, match=r"warming the GPU libraries on cuda:99 failed"):
+        # no machine here has a hundredth GPU: refused when CUDA starts (no GPU) or on the thread (a GPU machine)
+        GpuWarmup(torch.device("cuda", 99), seq_len=64).join()
+
+
+def test_an_error_on_the_warmup_thread_is_raised_by_join_on_the_callers_thread(monkeypatch) -> None:
+    def broken(device: torch.device, seq_len: int) -> None:
+        raise ValueError("no kernel image for this device")  # what a wrong build's first launch says
+
+    monkeypatch.setattr(gpu_warmup, "_warm", broken)
+    warmup = GpuWarmup(torch.device("cpu"), seq_len=64)
+    with pytest.raises(RuntimeError, match=r"on cpu failed: ValueError: no kernel image for this device"):
         warmup.join()
 
 
