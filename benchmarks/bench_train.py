@@ -7,12 +7,12 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is resident[-recipe] or backend-precision[-tN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe] (precision
-bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine
-threads, gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
+A mode is resident[-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe] (precision
+bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine threads, nN their niceness
+(host_nice), gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
 the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
-host steps not sliced (one unit at a time, as
-before slicing), sync for async_step=False (e.g. native-mixed-g6-sync), nospec for
+host steps not sliced (one unit at a time, as before slicing), sync for async_step=False (e.g.
+native-mixed-g6-sync), nospec for
 speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, hostsum for
 accumulate_on_device=False
 (micro-batches summed on the host; by default on the GPU when the sums fit). The recipe suffixes, on
@@ -114,7 +114,7 @@ class Mode:
         if backend == "deepspeed" and (options or lora or ckpt != "all" or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
                              "and the clip and accum suffixes only")
-        unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(r"(t|g|d|r|dr)\d+", o)]
+        unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(r"(t|n|g|d|r|dr)\d+", o)]
         if unknown:
             raise SystemExit(f"bench_train: mode {name!r}: unknown suffix {unknown[0]!r} (see --help for the suffixes)")
         if backend == "resident" and ckpt not in ("all", "none"):
@@ -266,7 +266,7 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         return model, None, run
     off = offload_ext.Offloader(model, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                 precision=mode.precision, backend=mode.backend, device=a.device,
-                                compile_layers=a.compile, num_threads=mode.option("t"),
+                                compile_layers=a.compile, num_threads=mode.option("t"), host_nice=mode.option("n") or 0,
                                 grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
                                 async_step=False if "sync" in mode.options else None,
                                 slice_elements=1 << 62 if "whole" in mode.options else None,

@@ -375,3 +375,29 @@ def test_native_slice_elements_overrides_whole_units_for_a_shared_grad_ring(slic
     backend.finish_step()
     backend.settle()
     backend.close()
+
+
+def _niceness_of_threads() -> dict[int, int]:
+    """This process's threads: id -> niceness (Linux keeps one per thread)."""
+    import os
+
+    return {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+
+
+def test_host_nice_gives_every_host_step_thread_that_niceness_and_nothing_else() -> None:
+    before = _niceness_of_threads()
+    engine = ops.Engine(-1, 4, False, 1 << 20, host_nice=7)
+    # The scheduler and three workers (a pool of 4 counts its caller): each takes its niceness as it starts.
+    deadline = time.monotonic() + 10
+    while sum(n == 7 for n in _niceness_of_threads().values()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = _niceness_of_threads()
+    assert sum(n == 7 for n in after.values()) == 4
+    assert all(after[t] == n for t, n in before.items() if t in after)  # the others keep theirs
+    assert engine.stats()["host_nice"] == 7
+    assert ops.Engine(-1, 2, False, 1 << 20).stats()["host_nice"] == 0
+
+
+def test_host_nice_outside_0_to_19_is_refused_naming_the_range() -> None:
+    with pytest.raises(ValueError, match=r"nice must be in \[0, 19\].*got 20"):
+        ops.Engine(-1, 2, False, 1 << 20, host_nice=20)

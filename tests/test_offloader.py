@@ -440,6 +440,22 @@ def test_a_layer_with_a_buffer_of_its_own_goes_up_after_its_step_and_trains_exac
     assert copies == [(0, 1), (4, 8), (8, 12), (12, 16)]
 
 
+def test_host_steps_at_the_lowest_priority_train_clipping_and_accumulation_exactly() -> None:
+    base, data = tiny_llama(layers=4), batches(4)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2, max_grad_norm=0.05,
+                                               exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
+                                max_grad_norm=0.05, num_threads=3, host_nice=19)
+    losses = offloaded_training(off, model, data)
+    stats = off.stats()
+    off.close()
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    assert stats["host_nice"] == 19
+
+
 def test_eager_uploads_off_keeps_each_copy_at_the_next_forward_and_trains_exactly() -> None:
     base, data = tiny_llama(layers=4), batches(4)
     ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2)
@@ -544,6 +560,10 @@ def test_unknown_precision_and_backend_are_refused() -> None:
         offload_ext.Offloader(tiny_llama(layers=2), backend="jax", device="cpu")
     with pytest.raises(ValueError, match="grad_slots must be >= 1"):
         offload_ext.Offloader(tiny_llama(layers=2), device="cpu", grad_slots=0)
+    with pytest.raises(ValueError, match=r"host_nice must be in \[0, 19\].*got -1"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cpu", host_nice=-1)
+    with pytest.raises(ValueError, match="host_nice needs backend='native'"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cpu", backend="python", host_nice=5)
 
 
 def test_hf_gradient_checkpointing_is_paused_while_attached_and_restored_on_close() -> None:

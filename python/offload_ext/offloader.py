@@ -95,6 +95,10 @@ class Offloader(torch.optim.Optimizer):
     and the native backend's background steps, a layer's new weights are copied up as soon as its host step
     is done, inside the last backward, instead of when the next forward binds it. False keeps the copy at
     the bind (offload_ext.device_ring).
+
+    host_nice: the native engine's host-step threads' niceness, 0-19 (0: the process's own priority). Above 0,
+    a thread of normal priority that wakes on a CPU they hold (autograd's, launching the backward's kernels;
+    the CUDA driver's callbacks) takes it from them at once, where the kernel's fair share would let it wait.
     """
 
     def __init__(
@@ -130,9 +134,10 @@ class Offloader(torch.optim.Optimizer):
         gpu_memory_budget: int | None = None,
         activation_offload: bool = False,
         eager_uploads: bool = True,
+        host_nice: int = 0,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
-                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step)
+                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step, host_nice)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         specs, group_of = build_groups(model, groups, no_decay)
         for spec in specs:
@@ -162,7 +167,7 @@ class Offloader(torch.optim.Optimizer):
         if self._hf_checkpointing:
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
-            backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads,
+            backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads, host_nice=host_nice,
             slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options(),
             sr_seed=sr_seed)
         # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.

@@ -26,6 +26,7 @@ class Options:
     grad_accum: int
     max_grad_norm: float | None
     async_step: bool | None
+    host_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -48,6 +49,12 @@ class Options:
                              f"copied), got {self.device_layers}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"Offloader: num_threads must be >= 1 (host step threads), got {self.num_threads}")
+        if not 0 <= self.host_nice <= 19:
+            raise ValueError(f"Offloader: host_nice must be in [0, 19] (the host-step threads' niceness; 0 keeps the "
+                             f"process's priority), got {self.host_nice}")
+        if self.backend == "python" and self.host_nice:
+            raise ValueError("Offloader: host_nice needs backend='native': the python backend's host steps run on the "
+                             "calling thread")
         if self.backend == "python" and (self.async_step or self.slice_elements is not None):
             what = "async_step=True" if self.async_step else "slice_elements"
             raise ValueError(f"Offloader: {what} needs backend='native'; the python backend steps every layer "

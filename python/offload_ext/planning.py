@@ -360,7 +360,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
          host_memory: int | str | None = None, gpu_memory: int | str | None = None,
          sr_seed: int = 0, activation_checkpointing: str | int = "all",
          gpu_memory_budget: int | None = None, activation_offload: bool = False,
-         eager_uploads: bool = True) -> MemoryPlan:
+         eager_uploads: bool = True, host_nice: int = 0) -> MemoryPlan:
     """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
     those that do not change memory are checked and accepted so the same keywords can be passed), trained
     on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,
@@ -369,7 +369,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
     adapters of rank `lora_r` on `lora_targets`). Nothing is allocated. `host_memory` and `gpu_memory`
     plan for a machine of that size instead of this one (needed for a CUDA device where there is none)."""
     Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots, slice_elements, device_layers,
-            offload_all, grad_accum, max_grad_norm, async_step)
+            offload_all, grad_accum, max_grad_norm, async_step, host_nice)
     check_hyper(lr, tuple(betas), eps, weight_decay)
     if (batch_size is None) != (seq_len is None) or (batch_size is not None and min(batch_size, seq_len) < 1):
         raise ValueError(f"plan: give batch_size and seq_len together, each at least 1 (got {batch_size}, {seq_len})")

@@ -39,7 +39,7 @@ class NativeBackend(Backend):
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
                  grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
-                 device_redo_units: frozenset[int] = frozenset(), **_: Any) -> None:
+                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
@@ -70,7 +70,7 @@ class NativeBackend(Backend):
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
                                "offload_ext.build_info()); reinstall with a CUDA toolkit, or use backend='python'")
         index = -1 if device.type == "cpu" else torch.cuda.current_device() if device.index is None else device.index
-        self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes)
+        self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes, host_nice)
         self._slice_elements = slice_elements  # None: chosen in prepare()
         if slice_elements is not None:
             self._engine.set_slice_elements(slice_elements)

@@ -58,6 +58,7 @@ py::dict step_stats(const offload_ext::Engine& e) {
   d["wait_seconds"] = s.wait_seconds;
   d["num_threads"] = e.num_threads();
   d["threads_pinned"] = e.threads_pinned();
+  d["host_nice"] = e.host_nice();
   return d;
 }
 
@@ -138,8 +139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Opaque to Python: handed back to Engine.compute_wait.
   py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy.");
   py::class_<Engine>(m, "Engine", "Pinned memory, copy streams and the overlapped AdamW step scheduler.")
-      .def(py::init<int, int, bool, int64_t>(), py::arg("device"), py::arg("num_threads"), py::arg("pin_threads"),
-           py::arg("slab_bytes"))
+      .def(py::init<int, int, bool, int64_t, int>(), py::arg("device"), py::arg("num_threads"),
+           py::arg("pin_threads"), py::arg("slab_bytes"), py::arg("host_nice") = 0)
       .def("pinned_empty", &Engine::pinned_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_empty", &Engine::host_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_zeros", &Engine::host_zeros, py::arg("numel"), py::arg("dtype"))

@@ -70,12 +70,12 @@ class PendingJob {
 
 }  // namespace
 
-Engine::Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes)
+Engine::Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes, int host_nice)
     : device_(device),
       pinned_(std::make_shared<PinnedPool>(device >= 0, static_cast<size_t>(slab_bytes), setup_threads())),
       host_(std::make_shared<PinnedPool>(false, static_cast<size_t>(slab_bytes), setup_threads())),
       scheduler_(std::make_shared<StepScheduler>(std::make_shared<ThreadPool>(
-          checked_threads(num_threads), pin_threads ? worker_cpus(num_threads) : std::vector<int>{}))),
+          checked_threads(num_threads), pin_threads ? worker_cpus(num_threads) : std::vector<int>{}, host_nice))),
       trace_(std::make_shared<TraceRecorder>()),
       copies_(make_copy_engine(device)) {
   scheduler_->set_trace(trace_);

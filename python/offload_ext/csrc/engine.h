@@ -22,7 +22,9 @@ namespace offload_ext {
 class Engine {
  public:
   // device < 0: the simulated device (CPU tensors on both sides of a copy); else a CUDA device index.
-  Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes);
+  // host_nice (0-19): the host-step threads' niceness; above 0 they give their CPU up at once to the threads
+  // that launch GPU work and run the driver's callbacks.
+  Engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes, int host_nice = 0);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -77,6 +79,7 @@ class Engine {
   void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }
   SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
   int num_threads() const { return scheduler_->pool()->num_threads(); }
+  int host_nice() const { return scheduler_->pool()->nice(); }
   bool threads_pinned() const { return scheduler_->pool()->pinned(); }
 
   // The timeline: recording from start_trace() until stop_trace(), which returns the events.

@@ -5,6 +5,8 @@
 
 #include "bf16.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -266,6 +268,13 @@ void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, Thr
 }
 
 void StepScheduler::loop() {
+  pthread_setname_np(pthread_self(), "offload-sched");
+  try {
+    pool_->lower_calling_thread();  // it works as one of the pool's threads
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = std::current_exception();  // every wait raises it; nothing is stepped
+  }
   for (;;) {
     Queued job;
     bool skip;

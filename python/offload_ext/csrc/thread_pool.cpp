@@ -3,16 +3,25 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 namespace offload_ext {
 
-ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, int nice) : cpus_(std::move(cpus)), nice_(nice) {
   if (num_threads < 1) {
     throw std::invalid_argument("ThreadPool: num_threads must be >= 1, got " + std::to_string(num_threads));
+  }
+  if (nice < 0 || nice > 19) {
+    throw std::invalid_argument("ThreadPool: nice must be in [0, 19] (0: the process's own priority), got " +
+                                std::to_string(nice));
   }
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
@@ -42,12 +51,30 @@ void ThreadPool::run_tasks() {
   }
 }
 
+void set_thread_nice(int nice) {
+  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice) != 0) {
+    throw std::runtime_error("ThreadPool: could not set a thread's niceness to " + std::to_string(nice) + ": " +
+                             std::strerror(errno));
+  }
+}
+
+void ThreadPool::lower_calling_thread() const {
+  if (nice_ > 0) set_thread_nice(nice_);
+}
+
 void ThreadPool::worker_main(int index) {
+  pthread_setname_np(pthread_self(), "offload-step");  // what /proc and a profiler show for the engine's threads
   if (!cpus_.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpus_[index % cpus_.size()], &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+  try {
+    lower_calling_thread();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!start_error_) start_error_ = std::current_exception();
   }
   uint64_t seen = 0;
   for (;;) {
@@ -66,6 +93,10 @@ void ThreadPool::worker_main(int index) {
 void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
   if (num_tasks <= 0) return;
   std::lock_guard<std::mutex> run_lock(run_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (start_error_) std::rethrow_exception(start_error_);
+  }
   if (workers_.empty() || num_tasks == 1) {
     for (int64_t t = 0; t < num_tasks; ++t) fn(t);
     return;

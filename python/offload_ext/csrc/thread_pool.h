@@ -18,13 +18,18 @@ class ThreadPool {
  public:
   // `num_threads` counts the calling thread, which works too: a pool of 1 has no workers.
   // `cpus`, when not empty, pins worker k to cpus[k % cpus.size()].
-  explicit ThreadPool(int num_threads, std::vector<int> cpus = {});
+  // `nice` (0-19), when above 0, is the workers' niceness: a thread of normal priority that wakes on a CPU
+  // they hold (the one launching GPU work, the CUDA driver's callbacks) takes it from them at once.
+  explicit ThreadPool(int num_threads, std::vector<int> cpus = {}, int nice = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   bool pinned() const { return !cpus_.empty(); }
+  int nice() const { return nice_; }
+  // Gives the calling thread the workers' niceness (for a thread that calls parallel_for and works as one).
+  void lower_calling_thread() const;
 
   // Runs fn(task) for every task in [0, num_tasks) on the workers and the caller, returns when
   // all are done, and rethrows the first exception any task raised. One loop runs at a time.
@@ -36,6 +41,7 @@ class ThreadPool {
 
   std::vector<std::thread> workers_;
   std::vector<int> cpus_;
+  const int nice_;
   std::mutex run_mutex_;  // serialises parallel_for callers
 
   std::mutex mutex_;
@@ -48,7 +54,11 @@ class ThreadPool {
   int64_t num_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
   std::exception_ptr error_;
+  std::exception_ptr start_error_;  // a worker that could not take its niceness: every parallel_for raises it
 };
+
+// Sets the calling thread's niceness (Linux keeps one per thread); throws naming the value on failure.
+void set_thread_nice(int nice);
 
 // Usable CPUs of this process (its affinity mask), in order.
 std::vector<int> allowed_cpus();
