@@ -51,12 +51,17 @@ void ThreadPool::run_tasks() {
   }
 }
 
+namespace {
+
+// Sets the calling thread's niceness (Linux keeps one per thread); throws naming the value on failure.
 void set_thread_nice(int nice) {
   if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice) != 0) {
     throw std::runtime_error("ThreadPool: could not set a thread's niceness to " + std::to_string(nice) + ": " +
                              std::strerror(errno));
   }
 }
+
+}  // namespace
 
 void ThreadPool::lower_calling_thread() const {
   if (nice_ > 0) set_thread_nice(nice_);

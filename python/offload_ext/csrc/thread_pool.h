@@ -57,9 +57,6 @@ class ThreadPool {
   std::exception_ptr start_error_;  // a worker that could not take its niceness: every parallel_for raises it
 };
 
-// Sets the calling thread's niceness (Linux keeps one per thread); throws naming the value on failure.
-void set_thread_nice(int nice);
-
 // Usable CPUs of this process (its affinity mask), in order.
 std::vector<int> allowed_cpus();
 
