@@ -80,6 +80,7 @@ PRESETS = {
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
 FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy")  # the mode suffixes without a number
+NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
@@ -114,7 +115,8 @@ class Mode:
         if backend == "deepspeed" and (options or lora or ckpt != "all" or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
                              "and the clip and accum suffixes only")
-        unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(r"(t|n|g|d|r|dr)\d+", o)]
+        numbered = rf"({'|'.join(NUMBERED_OPTIONS)})\d+"
+        unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(numbered, o)]
         if unknown:
             raise SystemExit(f"bench_train: mode {name!r}: unknown suffix {unknown[0]!r} (see --help for the suffixes)")
         if backend == "resident" and ckpt not in ("all", "none"):
@@ -122,6 +124,7 @@ class Mode:
         return cls(name, backend, precision, options, clip, accum, lora, ckpt)
 
     def option(self, prefix: str) -> int | None:
+        assert prefix in NUMBERED_OPTIONS, prefix  # a new one must be known to the suffix check above
         return next((int(o[len(prefix):]) for o in self.options if o.startswith(prefix) and o[len(prefix):].isdigit()),
                     None)
 
