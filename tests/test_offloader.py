@@ -5,6 +5,7 @@ import copy
 import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -440,34 +441,31 @@ def test_a_layer_with_a_buffer_of_its_own_goes_up_after_its_step_and_trains_exac
     assert copies == [(0, 1), (4, 8), (8, 12), (12, 16)]
 
 
-def test_host_steps_at_the_lowest_priority_train_clipping_and_accumulation_exactly() -> None:
+def _accum2_trained_exactly(max_grad_norm: float | None = None, **kw: Any) -> dict:
+    """Two steps of two micro-batches through a native Offloader on the simulated device (`kw` its options),
+    asserted bit-exact with the reference rule (clipping by the float64 norm); the Offloader's stats after."""
     base, data = tiny_llama(layers=4), batches(4)
-    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2, max_grad_norm=0.05,
-                                               exact_clip=True)
+    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2,
+                                               max_grad_norm=max_grad_norm, exact_clip=max_grad_norm is not None)
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
-                                max_grad_norm=0.05, num_threads=3, host_nice=19)
+                                max_grad_norm=max_grad_norm, **kw)
     losses = offloaded_training(off, model, data)
     stats = off.stats()
     off.close()
     assert losses == ref_losses
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+    return stats
+
+
+def test_host_steps_at_the_lowest_priority_train_clipping_and_accumulation_exactly() -> None:
+    stats = _accum2_trained_exactly(max_grad_norm=0.05, num_threads=3, host_nice=19)
     assert stats["host_nice"] == 19
 
 
 def test_eager_uploads_off_keeps_each_copy_at_the_next_forward_and_trains_exactly() -> None:
-    base, data = tiny_llama(layers=4), batches(4)
-    ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, micro_batches=2)
-    model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, backend="native", device="cpu", grad_accum=2,
-                                device_layers=4, eager_uploads=False)
-    losses = offloaded_training(off, model, data)
-    stats = off.stats()
-    off.close()
-    assert losses == ref_losses
-    for a, b in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(a, b)
+    stats = _accum2_trained_exactly(device_layers=4, eager_uploads=False)
     assert stats["early_layer_copies"] == 0
     # two steps: the first forward's four, then each layer once after the first step (at the next forward),
     # and layer 0 prefetched again after the second
