@@ -3,6 +3,7 @@ job and direction enums, a copy that fails to enqueue; and the testing aids both
 offload_ext.testing (delays, injected failures, pending steps), driven through the Backend interface."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -379,8 +380,6 @@ def test_native_slice_elements_overrides_whole_units_for_a_shared_grad_ring(slic
 
 def _niceness_of_threads() -> dict[int, int]:
     """This process's threads: id -> niceness (Linux keeps one per thread)."""
-    import os
-
     return {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
 
 

@@ -8,6 +8,7 @@ and in torch's kernels with the GIL released: run 68's overlapped probe hid all 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -53,11 +54,10 @@ class GpuWarmup:
         self._thread.start()
 
     def _run(self, seq_len: int) -> None:
+        # The current CUDA device is per thread.
+        current = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):  # the current device is per thread
-                    _warm(self.device, seq_len)
-            else:
+            with current:
                 _warm(self.device, seq_len)
         except BaseException as exc:  # handed to join(): a background thread never swallows an error
             self._error = exc

@@ -196,19 +196,19 @@ def _machine_cache(args: argparse.Namespace, max_bytes: int, vocab: int) -> Call
     if root is None or _tokenizer_name(args) is not None:
         return lambda tokenizer, corpus: None
     entry = os.path.join(root, data_mod.embedded_entry(max_bytes, vocab))
-    names = ("tokenizer.json", "corpus.npy")
+    cached = [os.path.join(entry, n) for n in ("tokenizer.json", "corpus.npy")]
     ours = (os.path.join(args.out, "tokenizer.json"), _corpus_path(args, vocab))
-    if not any(map(os.path.exists, ours)) and all(os.path.exists(os.path.join(entry, n)) for n in names):
-        for n, path in zip(names, ours):
-            _copy_whole(os.path.join(entry, n), path)
+    if not any(map(os.path.exists, ours)) and all(map(os.path.exists, cached)):
+        for src, path in zip(cached, ours):
+            _copy_whole(src, path)
 
     def store(tokenizer: str, corpus: str) -> None:
-        if all(os.path.exists(os.path.join(entry, n)) for n in names):
+        if all(map(os.path.exists, cached)):
             return
         try:
             os.makedirs(entry, exist_ok=True)
-            for n, path in zip(names, (tokenizer, corpus)):
-                _copy_whole(path, os.path.join(entry, n))
+            for path, dst in zip((tokenizer, corpus), cached):
+                _copy_whole(path, dst)
         except OSError as exc:  # a read-only home: this run goes on; the next tokenizes again
             print(f"offload-train: could not cache the tokenized corpus in {entry} ({exc}); set OFFLOAD_EXT_CACHE "
                   "to a writable directory, or to 0 to stop trying", flush=True)
