@@ -2,7 +2,8 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice (default: build test
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
+# accum-compile (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -130,6 +131,9 @@ for step in "${steps[@]}"; do
       nice_modes+=,native-bf16-n19-clipall,resident-accum2,native-bf16-d16-r8-n19-accum2,native-bf16-d16-r8-accum2
       nice_modes+=,native-bf16-n19-clipall,native-bf16-clipall
       run train_nice python3 benchmarks/bench_train.py --stem train_b1_nice --modes "$nice_modes" ;;
+    accum-compile)  # issue 11: accumulation with each layer compiled on both sides (fewer launches), twice interleaved
+      run accum_compile python3 benchmarks/bench_train.py --compile --stem train_b1_accum_compile --modes \
+        "${ACCUM_COMPILE_MODES:-resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r8-accum2,resident-accum2}" ;;
     train-kept)  # issue 13: B1 without recompute beside resident without checkpointing; auto and all under 24 GB
       # (train-kept and train-b2-kept: every mode with expandable segments unless PYTORCH_CUDA_ALLOC_CONF says
       # otherwise, as offload-train sets them for kept layers)
