@@ -3,7 +3,7 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
-# accum-compile (default: build test
+# accum-compile accum-sweep hog (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -134,6 +134,24 @@ for step in "${steps[@]}"; do
     accum-compile)  # issue 11: accumulation with each layer compiled on both sides (fewer launches), twice interleaved
       run accum_compile python3 benchmarks/bench_train.py --compile --stem train_b1_accum_compile --modes \
         "${ACCUM_COMPILE_MODES:-resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r8-accum2,resident-accum2}" ;;
+    accum-sweep)  # issue 11: how many of B1's 16 layers must stay on the GPU for accumulation to keep pace (each mode
+      # twice, the second set in reverse order); ACCUM_SWEEP_COMPILE=0 leaves out the compiled set
+      sweep=resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2
+      sweep+=,resident-accum4,native-bf16-d16-r8-accum4,native-bf16-d16-r10-accum4,native-bf16-d16-r12-accum4
+      rev=$(tr , '\n' <<< "$sweep" | tac | paste -sd,)
+      run accum_sweep python3 benchmarks/bench_train.py --stem train_b1_accum_sweep --modes "$sweep,$rev"
+      [ "${ACCUM_SWEEP_COMPILE:-1}" = 0 ] || run accum_sweep_compile python3 benchmarks/bench_train.py --compile \
+        --stem train_b1_accum_sweep_compile --modes \
+        resident-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r10-accum2,resident-accum2 ;;
+    hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host's memory (12 threads of
+      # copies, 4 CPUs left free): what the host steps' memory traffic alone costs a launch-bound backward
+      run hog_before python3 benchmarks/bench_train.py --stem train_b1_hog_before --modes resident-accum2,resident
+      python3 benchmarks/memory_hog.py --threads "${HOG_THREADS:-12}" --seconds 120 > "$OUT/memory_hog.log" 2>&1 &
+      hog_pid=$!
+      sleep 3
+      run hog_during python3 benchmarks/bench_train.py --stem train_b1_hog_during --modes resident-accum2,resident
+      kill "$hog_pid" 2>/dev/null; wait "$hog_pid" 2>/dev/null
+      run hog_after python3 benchmarks/bench_train.py --stem train_b1_hog_after --modes resident-accum2,resident ;;
     train-kept)  # issue 13: B1 without recompute beside resident without checkpointing; auto and all under 24 GB
       # (train-kept and train-b2-kept: every mode with expandable segments unless PYTORCH_CUDA_ALLOC_CONF says
       # otherwise, as offload-train sets them for kept layers)
