@@ -61,7 +61,7 @@ import _deepspeed
 import offload_ext
 from offload_ext import testing
 from offload_ext.lora import add_lora
-from offload_ext.timeline import Timeline, span
+from offload_ext.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Timeline, span
 from offload_ext.weights import filled_on, materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
@@ -156,7 +156,8 @@ def parse() -> argparse.Namespace:
                     help="after the timed steps, trace one more step per mode (DeepSpeed's aside) into "
                          "DIR/timeline_<mode>.json")
     ap.add_argument("--trace-gpu", action="store_true",
-                    help="with --trace: run the traced step under torch.profiler and merge its GPU streams in")
+                    help="with --trace: run the traced step under torch.profiler and merge its GPU streams and CUDA "
+                         "API calls in")
     ap.add_argument("--memory-log", default=None, metavar="FILE",
                     help="sample host RSS and MemAvailable every 0.5 s into FILE (flushed: it survives a kill)")
     ap.add_argument("--steps", type=int, default=12)
@@ -450,7 +451,7 @@ def _traced_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: 
     with profiler as prof, (off.trace() if off is not None else contextlib.nullcontext(Timeline())) as timeline:
         _train_step(mode, model, off, opt, micro, timeline if off is None else None)
     if prof is not None:
-        timeline.add_profile(prof)
+        timeline.add_profile(prof, GPU_CATEGORIES + RUNTIME_CATEGORIES)
     timeline.write(os.path.join(a.trace, f"timeline_{mode.name}.json"))
 
 

@@ -47,6 +47,22 @@ def _launches(events: list[dict], lo: float, hi: float) -> str:
     return f"{len(started)} events, gap {median}"
 
 
+def _feeding(api: dict[str, list[dict]], lo: float, hi: float) -> str:
+    """How the pass's busiest launching thread fed the GPU: its kernel launches started inside [lo, hi], the
+    median time one call took and the median interval between one launch's start and the next. Calls that
+    grow longer point at the driver (a lock another thread holds); intervals that grow with calls as before
+    point at the thread itself (its CPU, or the Python between launches)."""
+    launches = {lane: sorted((e for e in events if "Launch" in e["name"] and lo <= e["ts"] < hi),
+                             key=lambda e: e["ts"]) for lane, events in api.items()}
+    lane, calls = max(launches.items(), key=lambda kv: len(kv[1]), default=(None, []))
+    if len(calls) < 2:
+        return "no launches"
+    durations = sorted(e["dur"] for e in calls)
+    intervals = sorted(b["ts"] - a["ts"] for a, b in zip(calls, calls[1:]))
+    return (f"{lane}: {len(calls)} launches, call {durations[len(durations) // 2]:.1f} us, "
+            f"interval {intervals[len(intervals) // 2]:.1f} us (mean {(calls[-1]['ts'] - calls[0]['ts']) / (len(calls) - 1):.1f})")
+
+
 def report(lanes: list[str], events: list[dict], window: tuple[float, float]) -> list[str]:
     lo, hi = window
     inside = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
@@ -64,6 +80,9 @@ def report(lanes: list[str], events: list[dict], window: tuple[float, float]) ->
             if b > a:
                 share = busy_ms(by_lane[compute], a, b) / ((b - a) / 1e3)
                 lines.append(f"  {name} {(b - a) / 1e3:.1f} ms: {share:.0%}, {_launches(by_lane[compute], a, b)}")
+                api = {lane: by_lane[lane] for lane in by_lane if lane.startswith("CUDA API")}
+                if api:
+                    lines.append(f"    launched by {_feeding(api, a, b)}")
     for lane, title in (("wait", "Python thread's waits by reason: ms (count, longest)"),
                         ("host step", "host steps by kind: ms (count, longest)")):
         groups = defaultdict(list)

@@ -3,7 +3,7 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
-# accum-compile accum-sweep hog (default: build test
+# accum-compile accum-sweep hog accum-probe (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -38,6 +38,18 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure, remembe
   last_rc=$rc
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
+}
+
+timelines() {  # timelines MODES SHAPE: one traced step of each mode, drawn (plot_timeline) and counted (timeline_stats)
+  local modes=$1 shape=$2 preset=() m
+  [ "$shape" = b1 ] || preset=(--preset "$shape" --gpu-cap-gb 24)
+  run "timeline_$shape" python3 benchmarks/bench_train.py --stem "train_${shape}_timeline" --steps 4 --warmup 2 \
+    "${preset[@]}" --modes "$modes" --trace "$OUT/timelines_$shape" ${TRACE_GPU:+--trace-gpu}
+  for m in ${modes//,/ }; do
+    run "plot_${shape}_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines_$shape/timeline_$m.json" \
+      "$OUT/timeline_${shape}_$m.png" --title "${shape^^} $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+    run "timeline_stats_${shape}_$m" python3 benchmarks/timeline_stats.py "$OUT/timelines_$shape/timeline_$m.json"
+  done
 }
 
 # Python packages the GPU image lacks travel as wheels in .whl/ (see README, "Benchmarks").
@@ -143,10 +155,12 @@ for step in "${steps[@]}"; do
       [ "${ACCUM_SWEEP_COMPILE:-1}" = 0 ] || run accum_sweep_compile python3 benchmarks/bench_train.py --compile \
         --stem train_b1_accum_sweep_compile --modes \
         resident-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r10-accum2,resident-accum2 ;;
-    hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host's memory (12 threads of
-      # copies, 4 CPUs left free): what the host steps' memory traffic alone costs a launch-bound backward
+    hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host (HOG_THREADS, 12: copies, or
+      # with HOG_KERNEL=adamw the engine's AdamW kernel in its pinned pool): what the host steps' load alone costs a
+      # launch-bound backward
       run hog_before python3 benchmarks/bench_train.py --stem train_b1_hog_before --modes resident-accum2,resident
-      python3 benchmarks/memory_hog.py --threads "${HOG_THREADS:-12}" --seconds 120 > "$OUT/memory_hog.log" 2>&1 &
+      python3 benchmarks/memory_hog.py --threads "${HOG_THREADS:-12}" --kernel "${HOG_KERNEL:-copy}" --seconds 120 \
+        > "$OUT/memory_hog.log" 2>&1 &
       hog_pid=$!
       sleep 3
       run hog_during python3 benchmarks/bench_train.py --stem train_b1_hog_during --modes resident-accum2,resident
@@ -195,17 +209,14 @@ for step in "${steps[@]}"; do
         --warmup "${DS_WARMUP:-2}" \
         --stem train_b2_deepspeed --modes "${B2_DS_MODES:-deepspeed-bf16-clip,deepspeed-bf16-clipall}" ;;
     timeline)  # issue 11's pictures: one traced step of B1 plain and with clipping triggering every step
-      modes=${TIMELINE_MODES:-native-bf16,native-bf16-clipall,native-bf16-accum2}
-      shape=${TIMELINE_PRESET:-b1}
-      preset=()
-      [ "$shape" = b1 ] || preset=(--preset "$shape" --gpu-cap-gb 24)
-      run timeline python3 benchmarks/bench_train.py --stem "train_${shape}_timeline" --steps 4 --warmup 2 \
-        "${preset[@]}" --modes "$modes" --trace "$OUT/timelines_$shape" ${TRACE_GPU:+--trace-gpu}
-      for m in ${modes//,/ }; do
-        run "plot_${shape}_$m" python3 benchmarks/plot_timeline.py "$OUT/timelines_$shape/timeline_$m.json" \
-          "$OUT/timeline_${shape}_$m.png" --title "${shape^^} $m, one step (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
-        run "timeline_stats_${shape}_$m" python3 benchmarks/timeline_stats.py "$OUT/timelines_$shape/timeline_$m.json"
-      done ;;
+      timelines "${TIMELINE_MODES:-native-bf16,native-bf16-clipall,native-bf16-accum2}" "${TIMELINE_PRESET:-b1}" ;;
+    accum-probe)  # issue 11: accumulation with 15, 12 (and 4 step threads) and 8 resident layers beside resident, timed
+      # in two interleaved sets (the second reversed), then each traced with the profiler's GPU lanes and CUDA API
+      # calls (timeline_stats: who fed each pass, how fast); ACCUM_PROBE_MODES replaces the list
+      probe=${ACCUM_PROBE_MODES:-resident-accum2,native-bf16-d16-r15-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-t4-accum2,native-bf16-d16-r8-accum2}
+      rev=$(tr , '\n' <<< "$probe" | tac | paste -sd,)
+      run accum_probe python3 benchmarks/bench_train.py --stem train_b1_accum_probe --modes "$probe,$rev"
+      TRACE_GPU=1 timelines "$probe" b1 ;;
     overhead)  # the launching thread's cost per layer: a 16-layer shape so small that the GPU does next to nothing
       run overhead python3 benchmarks/bench_train.py --stem train_tiny_overhead --layers 16 --hidden 256 --intermediate 512 \
         --heads 4 --kv-heads 2 --vocab 1024 --batch 4 --seq 64 --steps 12 --warmup 3 \

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import offload_ext
+from offload_ext.timeline import Timeline
 from helpers import batches, offloaded_training, tiny_llama
 
 LAYERS = 4
@@ -126,3 +127,24 @@ def test_bench_train_traces_a_resident_step_with_its_backward_passes_as_it_does_
         stats = [sys.executable, str(bench / "timeline_stats.py"), str(tmp_path / f"timeline_{mode}.json")]
         out = subprocess.run(stats, check=True, capture_output=True, text=True).stdout
         assert out.startswith("step window ") and "python:" in out, out
+
+
+def test_timeline_stats_reports_how_fast_the_launching_thread_fed_each_pass(tmp_path) -> None:
+    # A made-up step: backward 0-10 ms with launches every 100 us (calls of 5 us), then a 5 ms forward and a
+    # backward whose launches come every 200 us (calls of 20 us): the figures must be read back per pass.
+    timeline = Timeline()
+    ms = 1_000_000
+    for lo, hi, every, call in ((0, 10 * ms, 100_000, 5_000), (15 * ms, 25 * ms, 200_000, 20_000)):
+        timeline.mark("python", "backward", lo, hi)
+        for t in range(lo, hi, every):
+            timeline.mark("CUDA API 11", "cudaLaunchKernel", t, t + call)
+            timeline.mark("GPU stream 7", "gemm", t + call, t + call + every // 2)
+    timeline.mark("python", "step", 25 * ms, 26 * ms)
+    path = tmp_path / "t.json"
+    timeline.write(str(path))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_stats.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], check=True, capture_output=True, text=True).stdout
+    fed = [line.strip() for line in out.splitlines() if "launched by" in line]
+    assert fed == ["launched by CUDA API 11: 100 launches, call 5.0 us, interval 100.0 us (mean 100.0)",
+                   "launched by no launches",
+                   "launched by CUDA API 11: 50 launches, call 20.0 us, interval 200.0 us (mean 200.0)"], out

@@ -20,6 +20,7 @@ from typing import Any
 
 LANES = ("python", "H2D", "D2H", "host step", "device redo", "wait")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch.profiler's device-side events
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")      # its CUDA API calls, on the thread that made them
 
 
 @dataclass
@@ -38,7 +39,9 @@ class Timeline:
     def add_profile(self, profile: Any, categories: tuple[str, ...] = GPU_CATEGORIES) -> int:
         """Merge a finished torch.profiler run (a `torch.profiler.profile`, or the path of its exported
         Chrome trace): each event of `categories` that overlaps this timeline's span goes on a lane per
-        profiler stream ("GPU stream 7"; "torch ops" for "cpu_op"). Returns how many were added.
+        profiler stream ("GPU stream 7"; "torch ops" for "cpu_op"; "CUDA API 1234" for RUNTIME_CATEGORIES,
+        a lane per calling thread, whose launches show how fast that thread feeds the GPU). Returns how many
+        were added.
 
         The profiler stamps events on the wall clock (microseconds from its baseTimeNanoseconds); they are
         moved onto time.monotonic_ns() with the two clocks' offset read now, so a wall-clock step (NTP)
@@ -56,7 +59,8 @@ class Timeline:
             end = begin + round(float(e.get("dur", 0)) * 1e3)
             if lo is not None and (end < lo or begin > hi):
                 continue
-            lane = "torch ops" if e["cat"] == "cpu_op" else f"GPU stream {e.get('tid')}"
+            lane = ("torch ops" if e["cat"] == "cpu_op" else f"CUDA API {e.get('tid')}"
+                    if e["cat"] in RUNTIME_CATEGORIES else f"GPU stream {e.get('tid')}")
             self.mark(lane, str(e.get("name", "?")), begin, end)
             added += 1
         return added
