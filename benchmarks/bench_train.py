@@ -36,6 +36,7 @@ A DeepSpeed mode that cannot run (not installed, initialize failed) shows the er
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
     python benchmarks/bench_train.py --modes resident-clipall,native-bf16-clipall,resident-accum2,native-bf16-accum2
+    python benchmarks/bench_train.py --interleave 3 --modes resident-accum2,native-bf16-d16-r8-accum2  # in turns
     python benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --modes resident,native-bf16   # B2, capped
     python benchmarks/bench_train.py --modes resident,native-bf16,deepspeed-bf16,native-mixed,deepspeed-mixed
     python benchmarks/bench_train.py --layers 2 --hidden 256 --intermediate 512 --seq 256  # smoke run
@@ -166,9 +167,17 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
     ap.add_argument("--sync-each-forward", action="store_true",
                     help="synchronise after each forward and read each micro-batch's loss (the loop before run 61)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="K",
+                    help="set every mode up at once and run K steps of each in turn (0: one mode after another); "
+                         "resident and offloaded modes, uncapped")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--stem", default=None)
     a = ap.parse_args()
+    if a.interleave < 0:
+        raise SystemExit("bench_train: --interleave takes K >= 1 steps per turn, or 0 for one mode after another")
+    if a.interleave and (a.gpu_cap_gb or a.memory_log or any(m.startswith("deepspeed") for m in a.modes.split(","))):
+        raise SystemExit("bench_train: --interleave runs resident and offloaded modes side by side in one process: "
+                         "drop --gpu-cap-gb and --memory-log (both per mode) and the DeepSpeed modes")
     for key, value in {"arch": "llama", **PRESETS[a.preset]}.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -360,7 +369,10 @@ def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[st
     """The mode's row; a DeepSpeed mode that fails, or any mode refused for memory, leaves a row with its
     error, and the run goes on."""
     try:
-        return _run_mode(mode, a, tokens)
+        run = _ModeRun(mode, a, tokens)
+        for k in range(a.warmup + a.steps):
+            run.step(k)
+        return run.finish()
     except Exception as e:  # DeepSpeed's failures (import, op build, initialize, OOM); our memory check's
         if mode.backend != "deepspeed" and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
             raise
@@ -369,72 +381,127 @@ def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[st
         print(f"  {mode.name:13s} not run: {error}", flush=True)
         return {"mode": mode.name, "error": error}
     finally:
-        if mode.backend == "deepspeed":
-            _deepspeed.release()
-        # A mode that failed half way leaves its model and Offloader in reference cycles (hooks, closures):
-        # collected here, or the next mode found 13.7 GB of a 24 GB cap still taken (run 48).
-        gc.collect()
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
+        _release(mode, a)
 
 
-def _run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
+def _release(mode: Mode, a: argparse.Namespace) -> None:
+    if mode.backend == "deepspeed":
+        _deepspeed.release()
+    # A mode that failed half way leaves its model and Offloader in reference cycles (hooks, closures):
+    # collected here, or the next mode found 13.7 GB of a 24 GB cap still taken (run 48).
+    gc.collect()
     if a.device == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    if a.batch % mode.accum:
-        raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} micro-batches")
-    micro = list(tokens.chunk(mode.accum))
-    t0 = time.perf_counter()
-    model, weights = build_model(a)
-    if mode.lora:
-        model = add_lora(model, mode.lora, 2 * mode.lora, LORA_TARGETS)
-    build = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model, off, opt = _setup(mode, model, weights, a)
-    _sync()
-    setup = time.perf_counter() - t0
-    model.train()
-    steps, forwards, waits, losses, busy, clipped = [], [], [], [], [], []
-    for k in range(a.warmup + a.steps):
+
+
+def run_interleaved(modes: list[Mode], a: argparse.Namespace, tokens: torch.Tensor) -> list[dict[str, Any]]:
+    """Every mode set up at once, then --interleave steps of each in turn until each has run warmup + steps:
+    the modes share the host's moments (run 74: one mode's step time moved 35 % between two places in one
+    process, every mode launch-bound on a thread whose speed drifts). At the end of each turn the engine's host
+    work is awaited and the wait shared out over the turn's steps, so no mode's background work lands in
+    another's time and none is hidden."""
+    runs = [_ModeRun(m, a, tokens, own_peak=False) for m in modes]
+    total = a.warmup + a.steps
+    for first in range(0, total, a.interleave):
+        for run in runs:
+            for k in range(first, min(total, first + a.interleave)):
+                run.step(k)
+            run.settle()
+    rows = [run.finish() for run in runs]
+    del runs
+    gc.collect()
+    return rows
+
+
+class _ModeRun:
+    """One mode: built and set up at construction, stepped by step(k) (steps before --warmup not timed),
+    its row made by finish(), which closes it."""
+
+    def __init__(self, mode: Mode, a: argparse.Namespace, tokens: torch.Tensor, own_peak: bool = True) -> None:
+        if a.batch % mode.accum:
+            raise SystemExit(f"bench_train: {mode.name}: batch {a.batch} does not split into {mode.accum} "
+                             "micro-batches")
+        if a.device == "cuda" and own_peak:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        self.mode, self.a, self.tokens, self.own_peak = mode, a, tokens, own_peak
+        self.micro = list(tokens.chunk(mode.accum))
+        t0 = time.perf_counter()
+        model, weights = build_model(a)
+        if mode.lora:
+            model = add_lora(model, mode.lora, 2 * mode.lora, LORA_TARGETS)
+        self.build = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.model, self.off, self.opt = _setup(mode, model, weights, a)
+        _sync()
+        self.setup = time.perf_counter() - t0
+        self.model.train()
+        self.steps: list[float] = []
+        self.turn = 0  # where the current turn's timed steps begin in self.steps (--interleave)
+        self.forwards: list[float] = []
+        self.waits: list[float] = []
+        self.busy: list[float] = []
+        self.clipped: list[bool] = []
+        self.losses: list[float] = []
+
+    def step(self, k: int) -> None:
+        off = self.off
         before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
-        loss, t_fwd, did_clip = _train_step(mode, model, off, opt, micro, sync_each=a.sync_each_forward)
+        loss, t_fwd, did_clip = _train_step(self.mode, self.model, off, self.opt, self.micro,
+                                            sync_each=self.a.sync_each_forward)
         _sync()
-        losses.append(loss)
-        if k >= a.warmup:
-            steps.append(time.perf_counter() - t0)
-            forwards.append(t_fwd)
-            clipped.append(did_clip)
-            # Time the Python thread was blocked on host work: in step() (python backend, native with
-            # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
-            after = off.stats() if off is not None else {}
-            waits.append(max(off.last_step_wait, after["host_wait_s"] - before["host_wait_s"]) if off is not None
-                         else 0.0)
-            busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
-    peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0
-    if a.trace and not isinstance(opt, _deepspeed.ZeroRun):  # one more step, traced, after the timed ones
-        _traced_step(mode, model, off, opt, micro, a)
-    row = {"mode": mode.name, "step_s": statistics.median(steps), "forward_s": statistics.median(forwards),
-           "step_wait_s": statistics.median(waits), "host_busy_s": statistics.median(busy), "setup_s": setup,
-           "build_s": build,
-           "gpu_peak_gb": peak, "losses": losses, "tokens_per_s": tokens.numel() / statistics.median(steps),
-           "clipped_fraction": sum(clipped) / len(clipped) if mode.clip else None}
-    if off is not None and mode.precision == "mixed" and mode.backend == "native":
-        row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
-    if off is not None:
-        row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
-        row["setup_parts_s"] = dict(off.setup_seconds)
-        off.close()
-    if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
-        row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))
-    del model
-    parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
-    print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s"
-          f"  wait {_num(row['step_wait_s'])} s  busy {_num(row['host_busy_s'])} s"
-          f"  build {build:.1f} s  setup {setup:.2f} s ({parts})  peak {peak:.1f} GB"
-          f"  loss {losses[0]:.3f}->{losses[-1]:.3f}", flush=True)
-    return row
+        self.losses.append(loss)
+        if k < self.a.warmup:
+            return
+        self.steps.append(time.perf_counter() - t0)
+        self.forwards.append(t_fwd)
+        self.clipped.append(did_clip)
+        # Time the Python thread was blocked on host work: in step() (python backend, native with
+        # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
+        after = off.stats() if off is not None else {}
+        self.waits.append(max(off.last_step_wait, after["host_wait_s"] - before["host_wait_s"]) if off is not None
+                          else 0.0)
+        self.busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
+
+    def settle(self) -> None:
+        """End of a turn: wait for the host steps still running, the wait shared out over the turn's timed
+        steps (its work belongs to them; a median that skipped the turn's last step would hide it)."""
+        turn, self.turn = self.steps[self.turn:], len(self.steps)
+        if self.off is None:
+            return
+        t0 = time.perf_counter()
+        testing.settle(self.off)
+        share = (time.perf_counter() - t0) / max(1, len(turn))
+        for k in range(len(self.steps) - len(turn), len(self.steps)):
+            self.steps[k] += share
+
+    def finish(self) -> dict[str, Any]:
+        mode, a, off, opt = self.mode, self.a, self.off, self.opt
+        peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" and self.own_peak else None
+        if a.trace and not isinstance(opt, _deepspeed.ZeroRun):  # one more step, traced, after the timed ones
+            _traced_step(mode, self.model, off, opt, self.micro, a)
+        median = statistics.median(self.steps)
+        row = {"mode": mode.name, "step_s": median, "forward_s": statistics.median(self.forwards),
+               "step_wait_s": statistics.median(self.waits), "host_busy_s": statistics.median(self.busy),
+               "setup_s": self.setup, "build_s": self.build, "gpu_peak_gb": peak, "losses": self.losses,
+               "step_times_s": self.steps, "tokens_per_s": self.tokens.numel() / median,
+               "clipped_fraction": sum(self.clipped) / len(self.clipped) if mode.clip else None}
+        if off is not None and mode.precision == "mixed" and mode.backend == "native":
+            row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
+        if off is not None:
+            row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
+            row["setup_parts_s"] = dict(off.setup_seconds)
+            off.close()
+        if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
+            row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))
+        self.model = self.off = self.opt = None
+        parts = " ".join(f"{k} {v:.2f}" for k, v in row.get("setup_parts_s", {}).items())
+        print(f"  {mode.name:13s} step {row['step_s']:.4f} s  fwd {row['forward_s']:.4f} s"
+              f"  wait {_num(row['step_wait_s'])} s  busy {_num(row['host_busy_s'])} s"
+              f"  build {self.build:.1f} s  setup {self.setup:.2f} s ({parts})  peak {_num(peak, '.1f')} GB"
+              f"  loss {self.losses[0]:.3f}->{self.losses[-1]:.3f}", flush=True)
+        return row
 
 
 def _traced_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
@@ -485,7 +552,7 @@ def _table_line(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
     shown = f"{ratio:.3f}x" if ratio is not None else "-"
     return (f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {shown} | "
             f"{r['forward_s']:.4f} | {_num(r['step_wait_s'])} | {_num(r['host_busy_s'])} | {r['setup_s']:.2f} | "
-            f"{r['gpu_peak_gb']:.2f} | {frac} |")
+            f"{_num(r['gpu_peak_gb'], '.2f')} | {frac} |")
 
 
 def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]:
@@ -528,7 +595,11 @@ def main() -> None:
           f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)
     memory = _common.HostMemoryLog(a.memory_log) if a.memory_log else None
     rows = []
-    for m in modes:
+    if a.interleave:
+        rows = run_interleaved(modes, a, tokens)
+        for k, row in enumerate(rows):
+            print(_table_line(dict(row), _peers(modes, rows)[k]), flush=True)
+    for m in modes[len(rows):]:
         if memory:
             memory.label(m.name)
         rows.append(run_mode(m, a, tokens))

@@ -3,7 +3,7 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
-# accum-compile accum-sweep hog accum-probe (default: build test
+# accum-compile accum-sweep hog accum-probe accum-paired recipes-paired (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
 # RECIPE_MODES, RECIPE_EXTRA: train-recipes' modes instead of its own, more modes for it (e.g. deepspeed-bf16-clip);
@@ -155,6 +155,17 @@ for step in "${steps[@]}"; do
       [ "${ACCUM_SWEEP_COMPILE:-1}" = 0 ] || run accum_sweep_compile python3 benchmarks/bench_train.py --compile \
         --stem train_b1_accum_sweep_compile --modes \
         resident-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r10-accum2,resident-accum2 ;;
+    accum-paired)  # issue 11's accumulation points, each set of modes side by side in one process (--interleave 3):
+      # ACCUM2_PAIRED, ACCUM4_PAIRED replace the lists
+      run accum2_paired python3 benchmarks/bench_train.py --stem train_b1_accum2_paired --interleave 3 --steps 30 \
+        --warmup 3 --modes "${ACCUM2_PAIRED:-resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r12-accum2}"
+      run accum4_paired python3 benchmarks/bench_train.py --stem train_b1_accum4_paired --interleave 3 --steps 30 \
+        --warmup 3 --modes "${ACCUM4_PAIRED:-resident-accum4,native-bf16-d16-r8-accum4,native-bf16-d16-r10-accum4}" ;;
+    recipes-paired)  # issue 11's clipping points on B1, plain beside clipped in one process (--interleave 3)
+      run bf16_paired python3 benchmarks/bench_train.py --stem train_b1_clip_paired --interleave 3 --steps 30 \
+        --warmup 3 --modes native-bf16,native-bf16-clip,native-bf16-clipall
+      run mixed_paired python3 benchmarks/bench_train.py --stem train_b1_mixed_clip_paired --interleave 3 --steps 30 \
+        --warmup 3 --modes native-mixed,native-mixed-clipall ;;
     hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host (HOG_THREADS, 12: copies, or
       # with HOG_KERNEL=adamw the engine's AdamW kernel in its pinned pool): what the host steps' load alone costs a
       # launch-bound backward

@@ -1,0 +1,35 @@
+"""bench_train's interleaved runs: modes set up side by side in one process and stepped in turns train exactly as
+they do one after another, each timed over its own steps."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+SHAPE = ["--device", "cpu", "--layers", "3", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+         "--kv-heads", "2", "--vocab", "128", "--batch", "4", "--seq", "16", "--steps", "3", "--warmup", "2"]
+MODES = "resident-accum2,native-bf16-d3-r1-accum2"
+
+
+def _rows(tmp_path: Path, stem: str, *extra: str) -> dict[str, dict]:
+    subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", MODES, "--stem", str(tmp_path / stem), *extra],
+                   check=True, capture_output=True, cwd=tmp_path)
+    return {r["mode"]: r for r in json.loads((tmp_path / f"{stem}.json").read_text())["rows"]}
+
+
+def test_interleaved_modes_train_bit_exactly_as_one_after_another(tmp_path) -> None:
+    alone = _rows(tmp_path, "alone")
+    turns = _rows(tmp_path, "turns", "--interleave", "2")
+    for mode in MODES.split(","):
+        # warmup 2 + steps 3 in turns of 2: each mode's 5 losses, its 3 timed steps, whatever ran in between
+        assert turns[mode]["losses"] == alone[mode]["losses"] and len(turns[mode]["losses"]) == 5, mode
+        assert len(turns[mode]["step_times_s"]) == 3 and turns[mode]["gpu_peak_gb"] is None, mode
+    assert turns["native-bf16-d3-r1-accum2"]["resident_peer"] == "resident-accum2"
+
+
+def test_interleave_refuses_a_per_mode_gpu_cap_before_building_anything(tmp_path) -> None:
+    done = subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", MODES, "--interleave", "2",
+                           "--gpu-cap-gb", "24"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode != 0 and "drop --gpu-cap-gb" in done.stderr, done.stderr
