@@ -302,49 +302,54 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-class _ForwardClock:
-    """The forwards' time without a synchronisation between forward and backward: CUDA events around each
-    forward, read once after the step. A sync after each forward (as before run 61) empties the device's
-    queue before every backward, which a training loop does not do, and charges the launching thread's
-    lead in full to whichever side launches more per layer. On the CPU, the wall clock."""
+class _PhaseClock:
+    """A step's time by phase (forward, backward, step) without a synchronisation inside it: a CUDA event and
+    the wall clock at each phase's start and at the step's end, read once after the step. A phase's GPU time
+    runs from the device reaching its first mark to reaching the next, so the phases split the device's
+    timeline of the step; its CPU time is the launching thread's time in it. A sync after each forward (as
+    before run 61) empties the device's queue before every backward, which a training loop does not do. On the
+    CPU the two are one clock."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.spans: list[tuple[Any, Any]] = []
+        self.marks: list[tuple[str | None, Any, float]] = []  # (phase starting here, event, wall clock)
 
-    def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def begin(self, phase: str | None) -> None:
+        """Start `phase` (None: the step's end)."""
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((phase, event, time.perf_counter()))
 
-    def start(self) -> None:
-        self.spans.append((self._mark(), None))
-
-    def stop(self) -> None:
-        self.spans[-1] = (self.spans[-1][0], self._mark())
-
-    def seconds(self) -> float:
-        if not self.cuda:
-            return sum(b - a for a, b in self.spans)
-        self.spans[-1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+    def seconds(self) -> dict[str, dict[str, float]]:
+        """Per phase, {"gpu": s, "cpu": s} summed over its spans; call after begin(None)."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out: dict[str, dict[str, float]] = {}
+        for (phase, e0, t0), (_, e1, t1) in zip(self.marks, self.marks[1:]):
+            gpu = e0.elapsed_time(e1) / 1e3 if self.cuda else t1 - t0
+            spent = out.setdefault(phase, {"gpu": 0.0, "cpu": 0.0})
+            spent["gpu"] += gpu
+            spent["cpu"] += t1 - t0
+        return out
 
 
 def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: list[torch.Tensor],
                 timeline: Timeline | None = None, sync_each: bool = False) -> tuple:
-    """One step over the micro-batches: (loss, summed forward seconds, whether it clipped). A resident step
-    marks its backward passes and step on `timeline` (the Offloader marks its own). Nothing synchronises
-    within the step but what the recipe needs (clipping's norm); the losses are read at its end."""
+    """One step over the micro-batches: (loss, summed forward seconds, whether it clipped, its phases' times:
+    _PhaseClock.seconds, empty for DeepSpeed). A resident step marks its backward passes and step on
+    `timeline` (the Offloader marks its own). Nothing synchronises within the step but what the recipe needs
+    (clipping's norm); the losses are read at its end."""
     if isinstance(opt, _deepspeed.ZeroRun):
         loss_sum, t_fwd, norm = opt.train_step(micro, _sync)
-        return loss_sum, t_fwd, norm is not None and mode.max_grad_norm is not None and norm > mode.max_grad_norm
-    clock, losses = _ForwardClock(micro[0].is_cuda), []
+        clipped = norm is not None and mode.max_grad_norm is not None and norm > mode.max_grad_norm
+        return loss_sum, t_fwd, clipped, {}
+    clock, losses = _PhaseClock(micro[0].is_cuda), []
     for tokens in micro:
-        clock.start()
+        clock.begin("forward")
         loss = offload_ext.causal_lm_loss(model, tokens) / len(micro)
-        clock.stop()
+        clock.begin("backward")
         if sync_each:
             _sync()
         if off is not None:
@@ -355,6 +360,7 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
         losses.append(loss.detach())
         if sync_each:
             loss.item()
+    clock.begin("step")
     if off is not None:
         off.step()
         off.zero_grad()
@@ -365,8 +371,10 @@ def _train_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: l
                     if mode.max_grad_norm is not None else None)
             opt.step()
         opt.zero_grad(set_to_none=True)
+    clock.begin(None)
     clipped = norm is not None and norm > mode.max_grad_norm
-    return float(torch.stack(losses).sum()), clock.seconds(), clipped
+    phases = clock.seconds()
+    return float(torch.stack(losses).sum()), phases["forward"]["gpu"], clipped, phases
 
 
 def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[str, Any]:
@@ -446,6 +454,7 @@ class _ModeRun:
         self.waits: list[float] = []
         self.busy: list[float] = []
         self.clipped: list[bool] = []
+        self.phases: list[dict[str, dict[str, float]]] = []
         self.losses: list[float] = []
 
     def step(self, k: int) -> None:
@@ -453,14 +462,15 @@ class _ModeRun:
         before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
         micro = list(self.tokens[k % len(self.tokens)].chunk(self.mode.accum))
-        loss, t_fwd, did_clip = _train_step(self.mode, self.model, off, self.opt, micro,
-                                            sync_each=self.a.sync_each_forward)
+        loss, t_fwd, did_clip, phases = _train_step(self.mode, self.model, off, self.opt, micro,
+                                                    sync_each=self.a.sync_each_forward)
         _sync()
         self.losses.append(loss)
         if k < self.a.warmup:
             return
         self.steps.append(time.perf_counter() - t0)
         self.forwards.append(t_fwd)
+        self.phases.append(phases)
         self.clipped.append(did_clip)
         # Time the Python thread was blocked on host work: in step() (python backend, native with
         # -sync) or, with the native async step, also in forward hooks and gradient-slot reuse.
@@ -491,7 +501,9 @@ class _ModeRun:
                "step_wait_s": statistics.median(self.waits), "host_busy_s": statistics.median(self.busy),
                "setup_s": self.setup, "build_s": self.build, "gpu_peak_gb": peak, "losses": self.losses,
                "step_times_s": self.steps, "tokens_per_s": self.tokens[0].numel() / median,
-               "clipped_fraction": sum(self.clipped) / len(self.clipped) if mode.clip else None}
+               "clipped_fraction": sum(self.clipped) / len(self.clipped) if mode.clip else None,
+               "phases_s": {name: {clock: statistics.median(p[name][clock] for p in self.phases)
+                                   for clock in ("gpu", "cpu")} for name in (self.phases[0] if self.phases else {})}}
         if off is not None and mode.precision == "mixed" and mode.backend == "native":
             row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
         if off is not None:
@@ -560,6 +572,21 @@ def _table_line(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
             f"{_num(r['gpu_peak_gb'], '.2f')} | {frac} |")
 
 
+def _phase_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each mode's median step split by phase (_PhaseClock): the device's time in each, then the launching
+    thread's; forward and backward summed over the micro-batches."""
+    timed = [r for r in rows if r.get("phases_s")]
+    if not timed:
+        return []
+    names = ("forward", "backward", "step")
+    lines = ["", "| mode | " + " | ".join(f"{n} GPU s" for n in names) + " | " + " | ".join(f"{n} CPU s" for n in names)
+             + " |", "|---|" + "---:|" * 6]
+    for r in timed:
+        cells = [_num(r["phases_s"].get(n, {}).get(clock)) for clock in ("gpu", "cpu") for n in names]
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]:
     """Each DeepSpeed mode's step time over the plain native mode of the same precision and recipe
     (deepspeed-bf16-clip over native-bf16-clip), where both ran; sets the ratio in the DeepSpeed row."""
@@ -623,6 +650,7 @@ def main() -> None:
              "set-up s | GPU peak GB | steps clipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_table_line(r, peer) for r, peer in zip(rows, _peers(modes, rows))]
     lines += _deepspeed_lines(modes, rows)
+    lines += _phase_lines(rows)
     for mixed in (r for r in rows if "a1_mixed_kernel_s" in r):
         # The forward of the GPU-resident run when there is one: the offloaded forward can include
         # waiting for host steps left over from the previous backward.
