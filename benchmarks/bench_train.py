@@ -170,8 +170,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batches", type=int, default=1, metavar="N",
                     help="step k trains on the k %% N-th of N batches drawn at the start (the same in every mode)")
     ap.add_argument("--interleave", type=int, default=0, metavar="K",
-                    help="set every mode up at once and run K steps of each in turn (0: one mode after another); "
-                         "resident and offloaded modes, uncapped")
+                    help="set every mode up at once and run them in turns of an untimed lead-in step and K timed ones "
+                         "(0: one mode after another); resident and offloaded modes, uncapped")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--stem", default=None)
     a = ap.parse_args()
@@ -407,18 +407,25 @@ def _release(mode: Mode, a: argparse.Namespace) -> None:
 
 
 def run_interleaved(modes: list[Mode], a: argparse.Namespace, tokens: torch.Tensor) -> list[dict[str, Any]]:
-    """Every mode set up at once, then --interleave steps of each in turn until each has run warmup + steps:
-    the modes share the host's moments (run 74: one mode's step time moved 35 % between two places in one
-    process, every mode launch-bound on a thread whose speed drifts). At the end of each turn the engine's host
-    work is awaited and the wait shared out over the turn's steps, so no mode's background work lands in
-    another's time and none is hidden."""
+    """Every mode set up at once, then turns of each: the modes share the host's moments (run 74: one mode's
+    step time moved 35 % between two places in one process, every mode launch-bound on a thread whose speed
+    drifts). The warm-up steps run in turns too. Each timed turn is one untimed lead-in step and --interleave
+    timed ones, then the engine's host work is awaited, uncharged: every timed step starts behind the host work
+    of the step before it, as in a run of one mode (where the last step's leftover is never charged either),
+    and no mode's background work lands in another's time. Step k of every mode trains on the same batch."""
     runs = [_ModeRun(m, a, tokens, own_peak=False) for m in modes]
-    total = a.warmup + a.steps
-    for first in range(0, total, a.interleave):
+    for run in runs:
+        for k in range(a.warmup):
+            run.step(k, timed=False)
+        run.settle()
+    k = a.warmup
+    while len(runs[0].steps) < a.steps:
+        n = min(a.interleave, a.steps - len(runs[0].steps))
         for run in runs:
-            for k in range(first, min(total, first + a.interleave)):
-                run.step(k)
+            for j in range(n + 1):
+                run.step(k + j, timed=j > 0)
             run.settle()
+        k += n + 1
     rows = [run.finish() for run in runs]
     del runs
     gc.collect()
@@ -426,8 +433,8 @@ def run_interleaved(modes: list[Mode], a: argparse.Namespace, tokens: torch.Tens
 
 
 class _ModeRun:
-    """One mode: built and set up at construction, stepped by step(k) (steps before --warmup not timed),
-    its row made by finish(), which closes it."""
+    """One mode: built and set up at construction, stepped by step(k), its row made by finish(), which
+    closes it."""
 
     def __init__(self, mode: Mode, a: argparse.Namespace, tokens: torch.Tensor, own_peak: bool = True) -> None:
         if a.batch % mode.accum:
@@ -449,7 +456,6 @@ class _ModeRun:
         self.setup = time.perf_counter() - t0
         self.model.train()
         self.steps: list[float] = []
-        self.turn = 0  # where the current turn's timed steps begin in self.steps (--interleave)
         self.forwards: list[float] = []
         self.waits: list[float] = []
         self.busy: list[float] = []
@@ -457,7 +463,8 @@ class _ModeRun:
         self.phases: list[dict[str, dict[str, float]]] = []
         self.losses: list[float] = []
 
-    def step(self, k: int) -> None:
+    def step(self, k: int, timed: bool | None = None) -> None:
+        """Step k (on batch k % --batches); timed unless `timed` says otherwise (default: past the warm-up)."""
         off = self.off
         before = off.stats() if off is not None else {}
         t0 = time.perf_counter()
@@ -466,7 +473,7 @@ class _ModeRun:
                                                     sync_each=self.a.sync_each_forward)
         _sync()
         self.losses.append(loss)
-        if k < self.a.warmup:
+        if not (k >= self.a.warmup if timed is None else timed):
             return
         self.steps.append(time.perf_counter() - t0)
         self.forwards.append(t_fwd)
@@ -480,16 +487,9 @@ class _ModeRun:
         self.busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
 
     def settle(self) -> None:
-        """End of a turn: wait for the host steps still running, the wait shared out over the turn's timed
-        steps (its work belongs to them; a median that skipped the turn's last step would hide it)."""
-        turn, self.turn = self.steps[self.turn:], len(self.steps)
-        if self.off is None:
-            return
-        t0 = time.perf_counter()
-        testing.settle(self.off)
-        share = (time.perf_counter() - t0) / max(1, len(turn))
-        for k in range(len(self.steps) - len(turn), len(self.steps)):
-            self.steps[k] += share
+        """End of a turn: wait for the host steps still running (another mode's turn comes next)."""
+        if self.off is not None:
+            testing.settle(self.off)
 
     def finish(self) -> dict[str, Any]:
         mode, a, off, opt = self.mode, self.a, self.off, self.opt

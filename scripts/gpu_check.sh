@@ -156,20 +156,20 @@ for step in "${steps[@]}"; do
         --stem train_b1_accum_sweep_compile --modes \
         resident-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r10-accum2,resident-accum2 ;;
     accum-paired)  # issue 11's accumulation points, each set of modes side by side in one process (--interleave 3, a
-      # batch per step): accum2 with resident twice (the pairing's own spread), accum4; ACCUM2_PAIRED, ACCUM4_PAIRED
+      # batch per step, each turn an untimed lead-in and 3 timed steps): accum2 with resident twice (the pairing's own spread), accum4; ACCUM2_PAIRED, ACCUM4_PAIRED
       # replace the lists, ACCUM4_PAIRED=none leaves accum4 out
       run accum2_paired python3 benchmarks/bench_train.py --stem train_b1_accum2_paired --interleave 3 --steps 30 \
-        --warmup 3 --batches 33 --modes \
+        --warmup 3 --batches 64 --modes \
         "${ACCUM2_PAIRED:-resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r12-accum2,resident-accum2}"
       [ "${ACCUM4_PAIRED:-}" = none ] || run accum4_paired python3 benchmarks/bench_train.py --stem train_b1_accum4_paired \
-        --interleave 3 --steps 30 --warmup 3 --batches 33 --modes \
+        --interleave 3 --steps 30 --warmup 3 --batches 64 --modes \
         "${ACCUM4_PAIRED:-resident-accum4,native-bf16-d16-r8-accum4,native-bf16-d16-r10-accum4}" ;;
     recipes-paired)  # issue 11's clipping points on B1, plain beside clipped in one process (--interleave 3, a batch
       # per step, so that clipall's norm stays above its 1e-3 throughout)
       run bf16_paired python3 benchmarks/bench_train.py --stem train_b1_clip_paired --interleave 3 --steps 30 \
-        --warmup 3 --batches 33 --modes native-bf16,native-bf16-clip,native-bf16-clipall
+        --warmup 3 --batches 64 --modes native-bf16,native-bf16-clip,native-bf16-clipall
       run mixed_paired python3 benchmarks/bench_train.py --stem train_b1_mixed_clip_paired --interleave 3 --steps 30 \
-        --warmup 3 --batches 33 --modes native-mixed,native-mixed-clipall ;;
+        --warmup 3 --batches 64 --modes native-mixed,native-mixed-clipall ;;
     hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host (HOG_THREADS, 12: copies, or
       # with HOG_KERNEL=adamw the engine's AdamW kernel in its pinned pool): what the host steps' load alone costs a
       # launch-bound backward

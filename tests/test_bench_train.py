@@ -24,8 +24,8 @@ def test_interleaved_modes_train_bit_exactly_as_one_after_another(tmp_path) -> N
     alone = _rows(tmp_path, "alone")
     turns = _rows(tmp_path, "turns", "--interleave", "2")
     for mode in MODES.split(","):
-        # warmup 2 + steps 3 in turns of 2: each mode's 5 losses, its 3 timed steps, whatever ran in between
-        assert turns[mode]["losses"] == alone[mode]["losses"] and len(turns[mode]["losses"]) == 5, mode
+        # warmup 2, then 3 timed steps in turns of a lead-in and up to 2: 7 steps, the first 5 as run alone
+        assert len(turns[mode]["losses"]) == 7 and turns[mode]["losses"][:5] == alone[mode]["losses"], mode
         assert len(turns[mode]["step_times_s"]) == 3 and turns[mode]["gpu_peak_gb"] is None, mode
     assert turns["native-bf16-d3-r1-accum2"]["resident_peer"] == "resident-accum2"
 
