@@ -1,6 +1,7 @@
 """One step of an Offloader timeline (Offloader.trace, bench_train --trace [--trace-gpu]) in numbers: each
 lane's busy time, the GPU compute stream's busy share in each forward and backward pass (a trace with the
-profiler's GPU lanes), the Python thread's waits by reason and the host steps by kind. What
+profiler's GPU lanes) and, with its CUDA API lanes, which thread launched the pass's kernels and how fast; the
+Python thread's waits by reason and the host steps by kind. What
 plot_timeline.py draws, as text that two runs can be compared by.
 
     python benchmarks/timeline_stats.py timeline.json --step 1
