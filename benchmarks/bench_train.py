@@ -157,8 +157,8 @@ def parse() -> argparse.Namespace:
                     help="after the timed steps, trace one more step per mode (DeepSpeed's aside) into "
                          "DIR/timeline_<mode>.json")
     ap.add_argument("--trace-gpu", action="store_true",
-                    help="with --trace: run the traced step under torch.profiler and merge its GPU streams and CUDA "
-                         "API calls in")
+                    help="with --trace: run the traced step under torch.profiler and merge its GPU streams, CUDA "
+                         "API calls and torch ops in")
     ap.add_argument("--memory-log", default=None, metavar="FILE",
                     help="sample host RSS and MemAvailable every 0.5 s into FILE (flushed: it survives a kill)")
     ap.add_argument("--steps", type=int, default=12)
@@ -535,7 +535,7 @@ def _traced_step(mode: Mode, model: torch.nn.Module, off: Any, opt: Any, micro: 
     with profiler as prof, (off.trace() if off is not None else contextlib.nullcontext(Timeline())) as timeline:
         _train_step(mode, model, off, opt, micro, timeline if off is None else None)
     if prof is not None:
-        timeline.add_profile(prof, GPU_CATEGORIES + RUNTIME_CATEGORIES)
+        timeline.add_profile(prof, GPU_CATEGORIES + RUNTIME_CATEGORIES + ("cpu_op",))
     timeline.write(os.path.join(a.trace, f"timeline_{mode.name}.json"))
 
 

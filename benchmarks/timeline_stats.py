@@ -1,7 +1,8 @@
 """One step of an Offloader timeline (Offloader.trace, bench_train --trace [--trace-gpu]) in numbers: each
 lane's busy time, the GPU compute stream's busy share in each forward and backward pass (a trace with the
-profiler's GPU lanes) and, with its CUDA API lanes, which thread launched the pass's kernels and how fast; the
-Python thread's waits by reason and the host steps by kind. What
+profiler's GPU lanes) and, with its CUDA API and torch-op lanes, which thread launched the pass's kernels, how
+fast, and which ops took the launching threads' time; the Python thread's waits by reason and the host steps by
+kind. What
 plot_timeline.py draws, as text that two runs can be compared by.
 
     python benchmarks/timeline_stats.py timeline.json --step 1
@@ -64,6 +65,17 @@ def _feeding(api: dict[str, list[dict]], lo: float, hi: float) -> str:
             f"interval {intervals[len(intervals) // 2]:.1f} us (mean {(calls[-1]['ts'] - calls[0]['ts']) / (len(calls) - 1):.1f})")
 
 
+def _costliest_ops(ops: list[dict], lo: float, hi: float, most: int = 6) -> str:
+    """The torch ops started inside [lo, hi] whose CPU time adds up to most, by name (nested ops count in their
+    own name and in their callers': compare a name between two traces, not names within one)."""
+    total: dict[str, list[float]] = defaultdict(list)
+    for e in ops:
+        if lo <= e["ts"] < hi:
+            total[e["name"]].append(e["dur"])
+    ranked = sorted(total.items(), key=lambda kv: -sum(kv[1]))[:most]
+    return ", ".join(f"{name} {sum(d) / 1e3:.1f} ms ({len(d)})" for name, d in ranked) or "none"
+
+
 def report(lanes: list[str], events: list[dict], window: tuple[float, float]) -> list[str]:
     lo, hi = window
     inside = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
@@ -84,6 +96,8 @@ def report(lanes: list[str], events: list[dict], window: tuple[float, float]) ->
                 api = {lane: by_lane[lane] for lane in by_lane if lane.startswith("CUDA API")}
                 if api:
                     lines.append(f"    launched by {_feeding(api, a, b)}")
+                if by_lane.get("torch ops"):
+                    lines.append(f"    costliest torch ops: {_costliest_ops(by_lane['torch ops'], a, b)}")
     for lane, title in (("wait", "Python thread's waits by reason: ms (count, longest)"),
                         ("host step", "host steps by kind: ms (count, longest)")):
         groups = defaultdict(list)

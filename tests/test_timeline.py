@@ -129,7 +129,7 @@ def test_bench_train_traces_a_resident_step_with_its_backward_passes_as_it_does_
         assert out.startswith("step window ") and "python:" in out, out
 
 
-def test_timeline_stats_reports_how_fast_the_launching_thread_fed_each_pass(tmp_path) -> None:
+def test_timeline_stats_reports_who_fed_each_pass_how_fast_and_with_which_ops(tmp_path) -> None:
     # A made-up step: backward 0-10 ms with launches every 100 us (calls of 5 us), then a 5 ms forward and a
     # backward whose launches come every 200 us (calls of 20 us): the figures must be read back per pass.
     timeline = Timeline()
@@ -139,6 +139,7 @@ def test_timeline_stats_reports_how_fast_the_launching_thread_fed_each_pass(tmp_
         for t in range(lo, hi, every):
             timeline.mark("CUDA API 11", "cudaLaunchKernel", t, t + call)
             timeline.mark("GPU stream 7", "gemm", t + call, t + call + every // 2)
+            timeline.mark("torch ops", "aten::mm", t, t + 2 * call)
     timeline.mark("python", "step", 25 * ms, 26 * ms)
     path = tmp_path / "t.json"
     timeline.write(str(path))
@@ -148,3 +149,6 @@ def test_timeline_stats_reports_how_fast_the_launching_thread_fed_each_pass(tmp_
     assert fed == ["launched by CUDA API 11: 100 launches, call 5.0 us, interval 100.0 us (mean 100.0)",
                    "launched by no launches",
                    "launched by CUDA API 11: 50 launches, call 20.0 us, interval 200.0 us (mean 200.0)"], out
+    ops = [line.strip() for line in out.splitlines() if "costliest torch ops" in line]
+    assert ops == ["costliest torch ops: aten::mm 1.0 ms (100)", "costliest torch ops: none",
+                   "costliest torch ops: aten::mm 2.0 ms (50)"], out
