@@ -61,8 +61,9 @@ def _feeding(api: dict[str, list[dict]], lo: float, hi: float) -> str:
         return "no launches"
     durations = sorted(e["dur"] for e in calls)
     intervals = sorted(b["ts"] - a["ts"] for a, b in zip(calls, calls[1:]))
+    mean = (calls[-1]["ts"] - calls[0]["ts"]) / (len(calls) - 1)
     return (f"{lane}: {len(calls)} launches, call {durations[len(durations) // 2]:.1f} us, "
-            f"interval {intervals[len(intervals) // 2]:.1f} us (mean {(calls[-1]['ts'] - calls[0]['ts']) / (len(calls) - 1):.1f})")
+            f"interval {intervals[len(intervals) // 2]:.1f} us (mean {mean:.1f})")
 
 
 def _costliest_ops(ops: list[dict], lo: float, hi: float, most: int = 6) -> str:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import offload_ext
-from offload_ext.timeline import Timeline
 from helpers import batches, offloaded_training, tiny_llama
+from offload_ext.timeline import Timeline
 
 LAYERS = 4
 
