@@ -444,7 +444,6 @@ class _ModeRun:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.mode, self.a, self.tokens, self.own_peak = mode, a, tokens, own_peak
-        self.micro = list(tokens[0].chunk(mode.accum))  # the traced step's
         t0 = time.perf_counter()
         model, weights = build_model(a)
         if mode.lora:
@@ -466,14 +465,14 @@ class _ModeRun:
     def step(self, k: int, timed: bool | None = None) -> None:
         """Step k (on batch k % --batches); timed unless `timed` says otherwise (default: past the warm-up)."""
         off = self.off
-        before = off.stats() if off is not None else {}
+        timed = k >= self.a.warmup if timed is None else timed
+        before = off.stats() if off is not None and timed else {}
         t0 = time.perf_counter()
-        micro = list(self.tokens[k % len(self.tokens)].chunk(self.mode.accum))
-        loss, t_fwd, did_clip, phases = _train_step(self.mode, self.model, off, self.opt, micro,
+        loss, t_fwd, did_clip, phases = _train_step(self.mode, self.model, off, self.opt, self._micro(k),
                                                     sync_each=self.a.sync_each_forward)
         _sync()
         self.losses.append(loss)
-        if not (k >= self.a.warmup if timed is None else timed):
+        if not timed:
             return
         self.steps.append(time.perf_counter() - t0)
         self.forwards.append(t_fwd)
@@ -486,6 +485,10 @@ class _ModeRun:
                           else 0.0)
         self.busy.append(after.get("step_busy_seconds", 0.0) - before.get("step_busy_seconds", 0.0))
 
+    def _micro(self, k: int) -> list[torch.Tensor]:
+        """Step k's micro-batches: batch k % --batches split in the mode's accumulation."""
+        return list(self.tokens[k % len(self.tokens)].chunk(self.mode.accum))
+
     def settle(self) -> None:
         """End of a turn: wait for the host steps still running (another mode's turn comes next)."""
         if self.off is not None:
@@ -495,7 +498,7 @@ class _ModeRun:
         mode, a, off, opt = self.mode, self.a, self.off, self.opt
         peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" and self.own_peak else None
         if a.trace and not isinstance(opt, _deepspeed.ZeroRun):  # one more step, traced, after the timed ones
-            _traced_step(mode, self.model, off, opt, self.micro, a)
+            _traced_step(mode, self.model, off, opt, self._micro(0), a)
         median = statistics.median(self.steps)
         row = {"mode": mode.name, "step_s": median, "forward_s": statistics.median(self.forwards),
                "step_wait_s": statistics.median(self.waits), "host_busy_s": statistics.median(self.busy),
@@ -631,9 +634,7 @@ def main() -> None:
     memory = _common.HostMemoryLog(a.memory_log) if a.memory_log else None
     rows = []
     if a.interleave:
-        rows = run_interleaved(modes, a, tokens)
-        for k, row in enumerate(rows):
-            print(_table_line(dict(row), _peers(modes, rows)[k]), flush=True)
+        rows = run_interleaved(modes, a, tokens)  # all at once: the table below is their first print
     for m in modes[len(rows):]:
         if memory:
             memory.label(m.name)
