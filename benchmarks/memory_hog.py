@@ -41,7 +41,7 @@ def adamw_load(threads: int, gib: float) -> tuple[Callable[[], object], int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=12)
-    ap.add_argument("--gib", type=float, default=1.0, help="size of each of the two buffers")
+    ap.add_argument("--gib", type=float, default=1.0, help="size of each buffer (copy: two, adamw: four)")
     ap.add_argument("--seconds", type=float, default=600.0, help="stop after this long")
     ap.add_argument("--kernel", choices=("copy", "adamw"), default="copy")
     a = ap.parse_args()

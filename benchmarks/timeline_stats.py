@@ -2,8 +2,7 @@
 lane's busy time, the GPU compute stream's busy share in each forward and backward pass (a trace with the
 profiler's GPU lanes) and, with its CUDA API and torch-op lanes, which thread launched the pass's kernels, how
 fast, and which ops took the launching threads' time; the Python thread's waits by reason and the host steps by
-kind. What
-plot_timeline.py draws, as text that two runs can be compared by.
+kind. What plot_timeline.py draws, as text that two runs can be compared by.
 
     python benchmarks/timeline_stats.py timeline.json --step 1
 """

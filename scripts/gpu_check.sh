@@ -156,8 +156,8 @@ for step in "${steps[@]}"; do
         --stem train_b1_accum_sweep_compile --modes \
         resident-accum2,native-bf16-d16-r10-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r12-accum2,native-bf16-d16-r10-accum2,resident-accum2 ;;
     accum-paired)  # issue 11's accumulation points, each set of modes side by side in one process (--interleave 3, a
-      # batch per step, each turn an untimed lead-in and 3 timed steps): accum2 with resident twice (the pairing's own spread), accum4; ACCUM2_PAIRED, ACCUM4_PAIRED
-      # replace the lists, ACCUM4_PAIRED=none leaves accum4 out
+      # batch per step, each turn an untimed lead-in and 3 timed steps): accum2 with resident twice (the pairing's own
+      # spread), accum4; ACCUM2_PAIRED, ACCUM4_PAIRED replace the lists, ACCUM4_PAIRED=none leaves accum4 out
       run accum2_paired python3 benchmarks/bench_train.py --stem train_b1_accum2_paired --interleave 3 --steps 30 \
         --warmup 3 --batches 64 --modes \
         "${ACCUM2_PAIRED:-resident-accum2,native-bf16-d16-r8-accum2,native-bf16-d16-r12-accum2,resident-accum2}"
