@@ -10,12 +10,11 @@ recompute. The host slots (one per layer position, reused every step) bound the 
 per checkpointed layer. The side stream has the lowest priority and the engine's weight and gradient copy
 streams the highest, so where both have work queued the weights the next layer needs go first.
 
-The checkpoint is torch's reentrant rule (recompute under grad, then a nested backward into the same
-parameters), with the RNG state of the forward restored for the recompute, as torch.utils.checkpoint does.
+The checkpoint is offload_ext.recompute's reentrant rule, with the input kept here instead of on the device.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,60 +78,19 @@ class HostActivations:
         return dev
 
 
-def _drop(t: torch.Tensor) -> None:
-    return None
+@dataclass(frozen=True)
+class HostSlot:
+    """One checkpointed layer's input held in `host` (an offload_ext.recompute.InputStore): stored under `key`,
+    and when it is taken back the input of the layer below (`below`) starts on its way."""
+    host: HostActivations
+    key: Key
+    below: Key | None
 
+    def store(self, x: torch.Tensor) -> None:
+        self.host.store(self.key, x)
 
-def _never(_: None) -> torch.Tensor:
-    raise RuntimeError("activation_offload: a checkpointed forward's saved tensor was unpacked")
-
-
-class _OffloadedCheckpoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, host: HostActivations, key: Key, below: Key | None, run: Callable[..., torch.Tensor],
-                rest: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        ctx.host, ctx.key, ctx.below, ctx.run, ctx.rest, ctx.kwargs = host, key, below, run, rest, kwargs
-        ctx.rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(host.device) if host.cuda else None
-        # Under grad, as the recompute will run (kernels are chosen by it: SDPA's differ and draw their dropout
-        # differently without), with nothing saved, as torch's own checkpoint runs its forward.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
-            out = run(x.detach().requires_grad_(x.requires_grad), *rest, **kwargs)
-        host.store(key, x)
-        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out) if isinstance(out, tuple) \
-            else out.detach()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        x = ctx.host.take(ctx.key).requires_grad_()
-        if ctx.below is not None:
-            ctx.host.fetch(ctx.below)  # the next input down travels while this layer recomputes
-        devices = [ctx.host.device] if ctx.host.cuda else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.host.device)
-            out = ctx.run(x, *ctx.rest, **ctx.kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return None, None, None, None, None, None, x.grad
-
-
-def offloadable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a layer call's input can be held on the host: a tensor first (the hidden states) that needs a
-    gradient, and no other argument that does (those the layer's ordinary checkpoint handles). Under the
-    reentrant rule the layer's output needs a gradient only if its input does: the parameters are not inputs
-    of the Function, so the first layer above a frozen embedding (or a model fed raw features) is left to the
-    ordinary checkpoint, or its parameters would get no gradient."""
-    if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
-        return False
-    return not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args[1:], *kwargs.values()))
-
-
-def offloaded_checkpoint(host: HostActivations, key: Key, below: Key | None, run: Callable[..., Any],
-                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """run(*args, **kwargs) checkpointed with args[0] held on the host until its backward, when `below`'s input
-    is fetched."""
-    return _OffloadedCheckpoint.apply(host, key, below, run, args[1:], kwargs, args[0])
+    def take(self) -> torch.Tensor:
+        x = self.host.take(self.key)
+        if self.below is not None:
+            self.host.fetch(self.below)  # the next input down travels while this layer recomputes
+        return x

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .activation_offload import HostActivations, Key, offloadable, offloaded_checkpoint
+from .activation_offload import HostActivations, HostSlot, Key
 from .kept_layers import SavedWeights, on_backward
+from .recompute import applies, recompute_checkpoint
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -38,7 +39,8 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
                kept: tuple[SavedWeights, Callable[[], None]] | None = None,
                host: tuple[HostActivations, Key, Key | None] | None = None) -> None:
     """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a forward that calls `before`
-    first: checkpointed (`before` runs again in the recompute; with `host` = (the host slots, this layer's key,
+    first: checkpointed (offload_ext.recompute's rule where it applies, else torch's non-reentrant checkpoint;
+    `before` runs again in the recompute; with `host` = (the host slots, this layer's key,
     the key of the layer below) its input held on the host meanwhile, offload_ext.activation_offload), or with
     `kept` = (the saved-tensor hooks, what runs as its backward begins) keeping what it saves for backward
     (offload_ext.kept_layers)."""
@@ -55,8 +57,8 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
         args, kwargs = without_kv_cache(args, kwargs)
         if kept is None:
             # Recompute is required: saved activations would point at buffers since refilled.
-            if host is not None and offloadable(args, kwargs):
-                return offloaded_checkpoint(*host, run, args, kwargs)
+            if applies(args, kwargs):
+                return recompute_checkpoint(run, args, kwargs, None if host is None else HostSlot(*host))
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
         saved, enter = kept
         saved.inputs(args, kwargs)
