@@ -165,9 +165,9 @@ for step in "${steps[@]}"; do
         --interleave 3 --steps 30 --warmup 3 --batches 64 --modes \
         "${ACCUM4_PAIRED:-resident-accum4,native-bf16-d16-r8-accum4,native-bf16-d16-r10-accum4}" ;;
     recipes-paired)  # issue 11's clipping points on B1, plain beside clipped in one process (--interleave 3, a batch
-      # per step, so that clipall's norm stays above its 1e-3 throughout)
+      # per step, so that clipall's norm stays above its 1e-3 throughout); RECIPES_PAIRED replaces the bf16 list
       run bf16_paired python3 benchmarks/bench_train.py --stem train_b1_clip_paired --interleave 3 --steps 30 \
-        --warmup 3 --batches 64 --modes native-bf16,native-bf16-clip,native-bf16-clipall
+        --warmup 3 --batches 64 --modes "${RECIPES_PAIRED:-resident,native-bf16,native-bf16-clip,native-bf16-clipall}"
       run mixed_paired python3 benchmarks/bench_train.py --stem train_b1_mixed_clip_paired --interleave 3 --steps 30 \
         --warmup 3 --batches 64 --modes native-mixed,native-mixed-clipall ;;
     hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host (HOG_THREADS, 12: copies, or
