@@ -7,7 +7,7 @@ waited on the host AdamW (native: in step(), forward hooks and gradient-slot reu
 mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
-A mode is resident[-reent][-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe]
+A mode is resident[-lean][-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe]
 (precision bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine threads, nN their niceness
 (host_nice), gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
 the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
@@ -15,10 +15,10 @@ host steps not sliced (one unit at a time, as before slicing), sync for async_st
 native-mixed-g6-sync), nospec for
 speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, hostsum for
 accumulate_on_device=False
-(micro-batches summed on the host; by default on the GPU when the sums fit). resident-reent checkpoints each
-layer by the engine's own rule (offload_ext.recompute) instead of HF's default (torch's non-reentrant
-checkpoint), to show what the rule alone is worth; offloaded modes always use it, and their ratios are to
-the resident mode without the suffix. The recipe suffixes, on
+(micro-batches summed on the host; by default on the GPU when the sums fit). resident-lean checkpoints each
+layer with the engine's own checkpoint (offload_ext.recompute: torch's non-reentrant rule with less
+bookkeeping) instead of HF's default (torch's checkpoint), to show what that alone is worth; offloaded modes
+always use it, and their ratios are to the resident mode without the suffix. The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
 (max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
 per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
@@ -84,7 +84,7 @@ PRESETS = {
                      seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "reent")  # the mode suffixes without a number
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "lean")  # the mode suffixes without a number
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -97,7 +97,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum, lazy, reent
+    options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum, lazy, lean
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
     lora: int | None = None        # LoRA rank
@@ -126,8 +126,8 @@ class Mode:
             raise SystemExit(f"bench_train: mode {name!r}: unknown suffix {unknown[0]!r} (see --help for the suffixes)")
         if backend == "resident" and ckpt not in ("all", "none"):
             raise SystemExit(f"bench_train: mode {name!r}: resident modes checkpoint every layer or none (ckptnone)")
-        if "reent" in options and (backend != "resident" or ckpt != "all"):
-            raise SystemExit(f"bench_train: mode {name!r}: reent is a resident mode's checkpoint rule (every layer "
+        if "lean" in options and (backend != "resident" or ckpt != "all"):
+            raise SystemExit(f"bench_train: mode {name!r}: lean is a resident mode's checkpoint (every layer "
                              "checkpointed): offloaded modes always use it")
         return cls(name, backend, precision, options, clip, accum, lora, ckpt)
 
@@ -272,12 +272,12 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         torch.cuda.set_per_process_memory_fraction(1.0 if uncapped else min(1.0, cap))
     if mode.backend == "resident":
         model.to(a.device)
-        if "reent" in mode.options:  # the engine's own checkpoint rule on each layer, nothing to fetch
+        if "lean" in mode.options:  # the engine's own checkpoint on each layer, nothing to fetch
             for layer in model.model.layers:
                 wrap_layer(layer, lambda: None, a.compile)
         elif mode.ckpt == "all":
             offload_ext.enable_activation_checkpointing(model)
-        if a.compile and "reent" not in mode.options:
+        if a.compile and "lean" not in mode.options:
             for layer in model.model.layers:
                 layer.compile()
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -617,7 +617,7 @@ def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]
 
 def _peers(modes: list[Mode], rows: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """Each row's resident peer: the last resident row of its recipe that ran before it, else the first after
-    it (resident rows with a suffix other than the recipe's, e.g. -reent, are never peers). Listed in pairs
+    it (resident rows with a suffix other than the recipe's, e.g. -lean, are never peers). Listed in pairs
     (resident-accum2,native-bf16-accum2,resident-accum2,...), each row is compared with its own pair's: processes
     of one mode differ by up to 10 % on the GPU host (run 62)."""
     peers = []

@@ -95,8 +95,8 @@ def test_dropout_in_the_recompute_draws_what_the_forward_drew() -> None:
 
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_layer_whose_input_needs_no_gradient_still_trains_with_inputs_held_on_the_host(backend) -> None:
-    # A frozen embedding (as under LoRA) feeds the first layer an input without grad: under the reentrant rule
-    # its output would need none either and its weights would not move. That layer keeps the ordinary checkpoint.
+    # A frozen embedding (as under LoRA) feeds the first layer an input without grad: its recompute must take the
+    # input back from the host without one too (ops save by which inputs need a gradient), and its weights move.
     base, data = tiny_llama(layers=3), batches(3)
     base.model.embed_tokens.weight.requires_grad_(False)
     runs = {}

@@ -36,13 +36,13 @@ def test_interleave_refuses_a_per_mode_gpu_cap_before_building_anything(tmp_path
     assert done.returncode != 0 and "drop --gpu-cap-gb" in done.stderr, done.stderr
 
 
-def test_resident_under_the_engines_checkpoint_rule_trains_the_same_losses_and_is_never_a_peer(tmp_path) -> None:
-    modes = "resident-accum2,resident-reent-accum2,native-bf16-d3-r1-accum2"
-    subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", modes, "--stem", str(tmp_path / "reent")],
+def test_resident_under_the_engines_checkpoint_trains_the_same_losses_and_is_never_a_peer(tmp_path) -> None:
+    modes = "resident-accum2,resident-lean-accum2,native-bf16-d3-r1-accum2"
+    subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", modes, "--stem", str(tmp_path / "lean")],
                    check=True, capture_output=True, cwd=tmp_path)
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "reent.json").read_text())["rows"]}
-    assert rows["resident-reent-accum2"]["losses"] == rows["resident-accum2"]["losses"]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "lean.json").read_text())["rows"]}
+    assert rows["resident-lean-accum2"]["losses"] == rows["resident-accum2"]["losses"]
     assert rows["native-bf16-d3-r1-accum2"]["resident_peer"] == "resident-accum2"
-    done = subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", "native-bf16-reent"],
+    done = subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", "native-bf16-lean"],
                           capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode != 0 and "reent is a resident mode's checkpoint rule" in done.stderr, done.stderr
+    assert done.returncode != 0 and "lean is a resident mode's checkpoint" in done.stderr, done.stderr

@@ -10,7 +10,7 @@ recompute. The host slots (one per layer position, reused every step) bound the 
 per checkpointed layer. The side stream has the lowest priority and the engine's weight and gradient copy
 streams the highest, so where both have work queued the weights the next layer needs go first.
 
-The checkpoint is offload_ext.recompute's reentrant rule, with the input kept here instead of on the device.
+The checkpoint is offload_ext.recompute's, with the input kept here instead of on the device.
 """
 from __future__ import annotations
 

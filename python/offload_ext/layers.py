@@ -7,11 +7,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .activation_offload import HostActivations, HostSlot, Key
 from .kept_layers import SavedWeights, on_backward
-from .recompute import applies, recompute_checkpoint
+from .recompute import recompute_checkpoint
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -39,9 +38,9 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
                kept: tuple[SavedWeights, Callable[[], None]] | None = None,
                host: tuple[HostActivations, Key, Key | None] | None = None) -> None:
     """Replace layer.forward (an instance attribute; unwrap_layer removes it) by a forward that calls `before`
-    first: checkpointed (offload_ext.recompute's rule where it applies, else torch's non-reentrant checkpoint;
-    `before` runs again in the recompute; with `host` = (the host slots, this layer's key,
-    the key of the layer below) its input held on the host meanwhile, offload_ext.activation_offload), or with
+    first: checkpointed (offload_ext.recompute; `before` runs again in the recompute; with `host` = (the host
+    slots, this layer's key, the key of the layer below) its input held on the host meanwhile,
+    offload_ext.activation_offload), or with
     `kept` = (the saved-tensor hooks, what runs as its backward begins) keeping what it saves for backward
     (offload_ext.kept_layers)."""
     inner = layer.forward
@@ -57,9 +56,8 @@ def wrap_layer(layer: nn.Module, before: Callable[[], None], compile_layer: bool
         args, kwargs = without_kv_cache(args, kwargs)
         if kept is None:
             # Recompute is required: saved activations would point at buffers since refilled.
-            if applies(args, kwargs):
-                return recompute_checkpoint(run, args, kwargs, None if host is None else HostSlot(*host))
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            held = host is not None and bool(args) and isinstance(args[0], torch.Tensor)
+            return recompute_checkpoint(run, args, kwargs, HostSlot(*host) if held else None)
         saved, enter = kept
         saved.inputs(args, kwargs)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):

@@ -1,23 +1,21 @@
-"""Activation checkpointing of one layer call by the reentrant rule: the forward runs under grad with nothing
-saved, the backward recomputes it from the kept input and runs a nested backward into the same parameters.
+"""Activation checkpointing of one layer call, with as little of the launching thread's time as the rule allows.
 
-Torch's non-reentrant checkpoint (HF's default) pays, per saved tensor of the forward, a Python pack hook and a
-holder, and in backward an unpack that starts the recompute, with saved-tensor hooks of its own around it. The
-rule here does none of that: one autograd node per layer call, the layer's graph dropped as the forward returns.
-On an overhead-bound step (the thread that launches the kernels sets the pace) that is the launching thread's
-time saved: on the CPU, a 16-layer tiny Llama's forward and backward took ~30 ms against ~46 with torch's
-non-reentrant checkpoint.
+The rule is torch's non-reentrant one: the forward builds the layer's graph under grad but keeps none of the
+tensors its ops save; the first time the backward asks for one, the layer is run again from its inputs, and the
+run stops as soon as the last saved tensor is back (so the layer's last op, which saves its inputs before it
+computes, is not recomputed: in a Llama layer the down projection, a quarter of its matmul work). What differs
+is the bookkeeping: torch's checkpoint keeps each saved tensor behind a holder with weak references, per-device
+handles and a frame stack for nesting; here a saved tensor is an index into one list per call. On an
+overhead-bound step, where the thread that launches the kernels sets the pace, that is time saved: on the CPU a
+16-layer tiny Llama's forward and backward took ~29 ms against ~38 with torch's checkpoint (~18 unwrapped).
 
-Exactness: the forward runs under grad, as the recompute does and as an unwrapped forward would, so every op
-picks the same kernel in both (SDPA picks by whether grad is needed); the RNG state of the forward and its
-autocast state are restored for the recompute, as torch.utils.checkpoint does. Under the reentrant rule the
-layer's output needs a gradient only if its first argument does (the parameters are not inputs of the node):
-`applies` sends any other call (a frozen embedding below, a gradient-carrying keyword) to torch's checkpoint.
-The nested backward accumulates into `.grad` directly, so `torch.autograd.grad` over such a model does not
-reach the layers' parameters: training calls `backward()`.
+Exactness: the recompute runs under the forward's RNG state (dropout draws the same) and autocast state, on the
+same inputs, so it saves the same tensors in the same order; the gradients are those of an unwrapped forward
+bit for bit. Nothing is nested: torch.autograd.grad reaches the layer's parameters as without checkpointing.
 
-Where the kept input waits is the caller's choice: on the device (saved with the node, version-checked) or in
-host memory (offload_ext.activation_offload's slots, fetched back as the backward reaches the layer).
+Where the layer's input waits is the caller's choice: with the call's other arguments (on the device), or, with
+an InputStore, in host memory (offload_ext.activation_offload's slots, fetched back as the backward reaches the
+layer); then the device copy is free as soon as the layer has read it.
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 
 class InputStore(Protocol):
@@ -39,20 +36,8 @@ class InputStore(Protocol):
         ...
 
 
-def _drop(_: torch.Tensor) -> None:
-    return None
-
-
-def _never(_: None) -> torch.Tensor:
-    raise RuntimeError("offload_ext: a checkpointed forward's saved tensor was unpacked (its graph escaped the layer)")
-
-
-def applies(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the reentrant rule gives this call's exact gradients: a first argument (the hidden states) that
-    needs a gradient and no other tensor among the arguments that does."""
-    if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
-        return False
-    return not any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_leaves((args[1:], kwargs)))
+class _Stop(Exception):
+    """Raised by the recompute's pack hook once every saved tensor is back: the rest of the layer is not run."""
 
 
 def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
@@ -60,48 +45,82 @@ def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
 
 
-class _Recompute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, store: InputStore | None, run: Callable[..., Any], rest: tuple[Any, ...],
-                kwargs: dict[str, Any], x: torch.Tensor) -> Any:
-        ctx.store, ctx.run, ctx.rest, ctx.kwargs = store, run, rest, kwargs
-        ctx.cuda = x.device.type == "cuda"
-        ctx.rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if ctx.cuda else None
-        ctx.autocast = _autocast_state(x.device.type)
-        ctx.cache = torch.is_autocast_cache_enabled()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
-            out = run(x.detach().requires_grad_(), *rest, **kwargs)
-        if store is None:
-            ctx.save_for_backward(x)
-        else:
-            store.store(x)
-        outs = out if isinstance(out, tuple) else (out,)
-        ctx.mark_non_differentiable(*(o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()))
-        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out) if isinstance(out, tuple) \
-            else out.detach()
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        x = (ctx.saved_tensors[0] if ctx.store is None else ctx.store.take()).detach().requires_grad_()
+
+class _Call:
+    """One checkpointed call: what its recompute needs, how many tensors its forward saved, and the recomputed
+    ones until each is unpacked."""
+
+    def __init__(self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 store: InputStore | None) -> None:
+        self.run, self.args, self.kwargs, self.store = run, args, kwargs, store
+        self.count = 0
+        self.saved: list[torch.Tensor | None] = []
+        device = _device_of(args)
+        self.cuda = device if device.type == "cuda" else None
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if self.cuda else None
+        self.autocast = _autocast_state(device.type)
+        self.cache = torch.is_autocast_cache_enabled()
+        self.input_grad = store is not None and args[0].requires_grad
+
+    def pack(self, _: torch.Tensor) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def unpack(self, i: int) -> torch.Tensor:
+        if i >= len(self.saved) or self.saved[i] is None:  # first use, or used before (a graph kept for reuse)
+            self._recompute()
+        t, self.saved[i] = self.saved[i], None
+        return t
+
+    def keep_input(self) -> None:
+        """With a store, hand it the input (the forward has read it) and drop the reference here."""
+        if self.store is not None:
+            self.store.store(self.args[0])
+            self.args = (None, *self.args[1:])
+
+    def _recompute(self) -> None:
+        args = self.args
+        if self.store is not None:  # what the forward saw, its need of a gradient too (ops save by it)
+            args = (self.store.take().detach().requires_grad_(self.input_grad), *args[1:])
+        saved: list[torch.Tensor | None] = []
+
+        def pack(t: torch.Tensor) -> None:
+            saved.append(t)
+            if len(saved) == self.count:
+                raise _Stop
+
         with contextlib.ExitStack() as scope:
-            scope.enter_context(torch.random.fork_rng(devices=[x.device] if ctx.cuda else []))
+            scope.enter_context(torch.random.fork_rng(devices=[self.cuda] if self.cuda else []))
             scope.enter_context(torch.enable_grad())
-            for device_type, enabled, dtype in ctx.autocast:
-                scope.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=ctx.cache))
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
-            out = ctx.run(x, *ctx.rest, **ctx.kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return None, None, None, None, x.grad
+            for device_type, enabled, dtype in self.autocast:
+                scope.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.cache))
+            scope.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never))
+            torch.set_rng_state(self.rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.cuda)
+            with contextlib.suppress(_Stop):
+                self.run(*args, **self.kwargs)
+        if len(saved) != self.count:
+            raise RuntimeError(f"offload_ext: a checkpointed layer's recompute saved {len(saved)} tensors where its "
+                               f"forward saved {self.count}: the layer must run the same ops on the same inputs "
+                               "each time (no data-dependent branches on values that change between them)")
+        self.saved = saved
+
+
+def _never(_: None) -> torch.Tensor:
+    raise RuntimeError("offload_ext: a tensor saved inside a recompute was unpacked")
 
 
 def recompute_checkpoint(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                          store: InputStore | None = None) -> Any:
-    """run(*args, **kwargs) checkpointed by the reentrant rule (the caller has checked `applies`), its input
-    kept on the device or, with `store`, there."""
-    return _Recompute.apply(store, run, args[1:], kwargs, args[0])
+    """run(*args, **kwargs) checkpointed, its input (args[0], a tensor when `store` is given) kept on the device
+    or, with `store`, there."""
+    call = _Call(run, args, kwargs, store)
+    with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
+        out = run(*args, **kwargs)
+    call.keep_input()
+    return out
