@@ -89,11 +89,11 @@ def report(lanes: list[str], events: list[dict], window: tuple[float, float]) ->
     if gpu:  # the compute stream: the GPU lane with the most kernels
         compute = max(gpu, key=lambda lane: len(by_lane[lane]))
         lines.append(f"{compute} busy share per pass (events started in it; the gaps between them, median):")
+        api = {lane: by_lane[lane] for lane in by_lane if lane.startswith("CUDA API")}
         for name, a, b in passes(inside, lo, hi):
             if b > a:
                 share = busy_ms(by_lane[compute], a, b) / ((b - a) / 1e3)
                 lines.append(f"  {name} {(b - a) / 1e3:.1f} ms: {share:.0%}, {_launches(by_lane[compute], a, b)}")
-                api = {lane: by_lane[lane] for lane in by_lane if lane.startswith("CUDA API")}
                 if api:
                     lines.append(f"    launched by {_feeding(api, a, b)}")
                 if by_lane.get("torch ops"):
