@@ -1,4 +1,5 @@
-"""The engine's host passes alone, per unit: a plain step, a speculative step (clipping), and the two
+"""The engine's host passes alone, per unit: a plain step, a speculative step (clipping), a clipped step and a
+redo after the norm (each as its params pass and its moments pass, or whole with --one-pass), and the two
 passes of gradient accumulation, on buffers laid out as the native backend lays them out (params and
 gradients in the pinned pool, states in the host pool, a unit's buffers one after another).
 
@@ -10,6 +11,7 @@ before, all on a page boundary, and half the units' speculative steps took 1.8x 
 
     python benchmarks/bench_host_passes.py                         # B1's layer size, 16 units
     python benchmarks/bench_host_passes.py --numel 4e6 --units 4 --skew 0,576
+    python benchmarks/bench_host_passes.py --passes scale_step,redo --one-pass   # the steps after the norm whole
 """
 from __future__ import annotations
 
@@ -27,9 +29,19 @@ PASSES = ("step", "speculative", "scale_step", "redo", "accumulate_first", "accu
 # The jobs each pass times, by their names on the timeline (a norm on the host comes with some).
 # "speculative" is the step alone, its norm taken on the device as in training without accumulation (before
 # 6ff90d0 it timed a host norm pass too: ~1.9 ms of run 31's 8.4 ms per B1 layer).
-TIMED = {"step": ("step",), "speculative": ("speculative step",), "scale_step": ("scale + step u",),
-         "redo": ("scale + step from before",), "accumulate_first": ("accumulate (first)",),
+# A step after the norm runs as a params pass and a moments pass (the engine's default), timed apart.
+TIMED = {"step": ("step",), "speculative": ("speculative step",), "accumulate_first": ("accumulate (first)",),
          "accumulate_step": ("accumulate + step",)}
+AFTER_NORM = {"scale_step": "scale + step", "redo": "scale + step from before (redo)"}
+
+
+def timed(name: str, one_pass: bool) -> list[tuple[str, str]]:
+    """(row label, job name prefix on the timeline) of each part a pass is timed in."""
+    if name not in AFTER_NORM:
+        return [(name, TIMED[name][0])]
+    if one_pass:
+        return [(name, AFTER_NORM[name] + " u")]
+    return [(f"{name} {part}", f"{AFTER_NORM[name]} ({part}) u") for part in ("params", "moments")]
 
 
 def parse() -> argparse.Namespace:
@@ -45,6 +57,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--scale", type=float, default=0.5, help="the clipping scale of scale_step and redo")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--passes", default=",".join(PASSES))
+    ap.add_argument("--one-pass", action="store_true",
+                    help="a step after the norm in one pass (params_first=False) instead of params, then moments")
     ap.add_argument("--stem", default="host_passes")
     return ap.parse_args()
 
@@ -53,10 +67,11 @@ class Units:
     """One engine with `units` bf16 units laid out as the native backend does, each buffer skewed."""
 
     def __init__(self, numel: int, units: int, skew: int, threads: int, speculative: bool, accumulate: bool,
-                 state_pool: str, device: str) -> None:
+                 state_pool: str, device: str, one_pass: bool) -> None:
         ext = native()
         self.ext = ext
         self.engine = ext.Engine(0 if device == "cuda" else -1, threads, True, 256 << 20)
+        self.engine.set_params_first(not one_pass)
         self.engine.set_slice_elements(1 << 62)  # whole units, as with speculation or accumulation
         self.engine.set_hyper(1e-4, 0.9, 0.95, 1e-8, 0.0, 1, group=0)
         pad = 2048 if skew else 0  # elements: room to start a buffer up to a page past its block
@@ -97,8 +112,8 @@ class Units:
         self.engine.wait_unit(unit)
 
 
-def pass_times(events: list[tuple[str, str, int, int, int]], names: tuple[str, ...]) -> dict[int, float]:
-    """Per unit: ms from the start of its first host-step slice named as in `names` to its last one's end."""
+def pass_times(events: list[tuple[str, str, int, int, int]], names: str) -> dict[int, float]:
+    """Per unit: ms from the start of its first host-step slice named `names`... to its last one's end."""
     spans: dict[int, list[int]] = defaultdict(lambda: [1 << 62, 0])
     for lane, name, begin, end, unit in events:
         if lane.startswith("host step") and unit >= 0 and name.startswith(names):
@@ -107,12 +122,13 @@ def pass_times(events: list[tuple[str, str, int, int, int]], names: tuple[str, .
     return {u: (e - b) / 1e6 for u, (b, e) in spans.items()}
 
 
-def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int) -> dict[str, object]:
+def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int) -> list[dict[str, object]]:
     numel = int(a.numel)
     units = Units(numel, a.units, skew, threads, speculative=name in ("speculative", "scale_step", "redo"),
-                  accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device)
+                  accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device, one_pass=a.one_pass)
     jobs = units.ext.Job
-    per_unit: dict[int, list[float]] = defaultdict(list)
+    parts = timed(name, a.one_pass)
+    per_unit: dict[str, dict[int, list[float]]] = {label: defaultdict(list) for label, _ in parts}
     for step in range(a.warmup + a.steps):
         if name == "accumulate_step":  # the first micro-batch's pass, untimed
             for u in reversed(range(a.units)):
@@ -128,14 +144,20 @@ def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int
             elif name == "redo":
                 units.engine.redo(u, a.scale)
         units.engine.wait_all()
-        times = pass_times(units.engine.stop_trace(), TIMED[name])
-        if step >= a.warmup:
-            for u, t in times.items():
-                per_unit[u].append(t)
+        events = units.engine.stop_trace()
+        for label, prefix in parts:
+            if step >= a.warmup:
+                for u, t in pass_times(events, prefix).items():
+                    per_unit[label][u].append(t)
+    return [summary(label, times, skew, pool, numel, a.units) for label, times in per_unit.items()]
+
+
+def summary(label: str, per_unit: dict[int, list[float]], skew: int, pool: str, numel: int,
+            units: int) -> dict[str, object]:
     med = {u: statistics.median(t) for u, t in sorted(per_unit.items())}
     even = statistics.median(t for u, t in med.items() if u % 2 == 0)
-    odd = statistics.median(t for u, t in med.items() if u % 2 == 1) if a.units > 1 else float("nan")
-    return {"pass": name, "skew": skew, "state_pool": pool, "ms_per_unit": med, "median_even_ms": even,
+    odd = statistics.median(t for u, t in med.items() if u % 2 == 1) if units > 1 else float("nan")
+    return {"pass": label, "skew": skew, "state_pool": pool, "ms_per_unit": med, "median_even_ms": even,
             "median_odd_ms": odd, "ms_per_16M": statistics.median(med.values()) * (1 << 24) / numel}
 
 
@@ -151,19 +173,20 @@ def main() -> None:
         raise SystemExit(f"--passes: expected some of {', '.join(PASSES)}; --state-pool: host and/or pinned; "
                          f"got {a.passes!r} and {a.state_pool!r}")
     for pool, skew, name in ((p, k, n) for p in pools for k in skews for n in names):
-        row = measure(a, name, skew, pool, threads)
-        print(f"  {name:16s} {pool:6s} skew {skew:4d} B  even {row['median_even_ms']:6.2f} ms  odd "
-              f"{row['median_odd_ms']:6.2f} ms  per 16M {row['ms_per_16M']:5.2f} ms  "
-              f"units {' '.join(f'{t:.1f}' for t in row['ms_per_unit'].values())}", flush=True)
-        rows.append(row)
+        for row in measure(a, name, skew, pool, threads):
+            print(f"  {row['pass']:20s} {pool:6s} skew {skew:4d} B  even {row['median_even_ms']:6.2f} ms  odd "
+                  f"{row['median_odd_ms']:6.2f} ms  per 16M {row['ms_per_16M']:5.2f} ms  "
+                  f"units {' '.join(f'{t:.1f}' for t in row['ms_per_unit'].values())}", flush=True)
+            rows.append(row)
     md = [f"{a.units} units of {int(a.numel)} bf16 elements, {threads} threads, {a.steps} timed steps, "
-          f"device {a.device}\n",
+          f"device {a.device}, steps after the norm {'in one pass' if a.one_pass else 'params, then moments'}\n",
           "| pass | state pool | skew (B) | even units (ms) | odd units (ms) | ms per 16M elements |",
           "|---|---|---:|---:|---:|---:|"]
     md += [f"| {r['pass']} | {r['state_pool']} | {r['skew']} | {r['median_even_ms']:.2f} | {r['median_odd_ms']:.2f} | "
            f"{r['ms_per_16M']:.2f} |" for r in rows]
     for path in _common.write_results(a.stem, {"threads": threads, "numel": int(a.numel), "units": a.units,
-                                                 "device": a.device, "rows": rows}, "\n".join(md)):
+                                                 "device": a.device, "one_pass": a.one_pass, "rows": rows},
+                                      "\n".join(md)):
         print("wrote", path)
 
 

@@ -13,7 +13,8 @@ A mode is resident[-lean][-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN]
 the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
 host steps not sliced (one unit at a time, as before slicing), sync for async_step=False (e.g.
 native-mixed-g6-sync), nospec for
-speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, hostsum for
+speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, onepass for
+params_first=False (a host step after the clipping norm in one pass, not params then moments), hostsum for
 accumulate_on_device=False
 (micro-batches summed on the host; by default on the GPU when the sums fit). resident-lean checkpoints each
 layer with the engine's own checkpoint (offload_ext.recompute: torch's non-reentrant rule with less
@@ -84,7 +85,8 @@ PRESETS = {
                      seq=4096, untied=True, arch="qwen2"),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "lean")  # the mode suffixes without a number
+# the mode suffixes without a number
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean")
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -97,7 +99,7 @@ class Mode:
     name: str
     backend: str                   # "resident", "python", "native" or "deepspeed"
     precision: str = "bf16"
-    options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum, lazy, lean
+    options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum, lazy, onepass, lean
     clip: str | None = None        # a key of CLIP_NORMS
     accum: int = 1
     lora: int | None = None        # LoRA rank
@@ -303,7 +305,7 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
                                 weights=weights,
                                 activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
-                                eager_uploads="lazy" not in mode.options)
+                                eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options)
     return model, off, None
 
 

@@ -165,11 +165,11 @@ for step in "${steps[@]}"; do
         --interleave 3 --steps 30 --warmup 3 --batches 64 --modes \
         "${ACCUM4_PAIRED:-resident-accum4,native-bf16-d16-r8-accum4,native-bf16-d16-r10-accum4}" ;;
     recipes-paired)  # issue 11's clipping points on B1, plain beside clipped in one process (--interleave 3, a batch
-      # per step, so that clipall's norm stays above its 1e-3 throughout); RECIPES_PAIRED replaces the bf16 list
+      # per step, so that clipall's norm stays above its 1e-3 throughout); RECIPES_PAIRED, MIXED_PAIRED replace the lists
       run bf16_paired python3 benchmarks/bench_train.py --stem train_b1_clip_paired --interleave 3 --steps 30 \
         --warmup 3 --batches 64 --modes "${RECIPES_PAIRED:-resident,native-bf16,native-bf16-clip,native-bf16-clipall}"
       run mixed_paired python3 benchmarks/bench_train.py --stem train_b1_mixed_clip_paired --interleave 3 --steps 30 \
-        --warmup 3 --batches 64 --modes native-mixed,native-mixed-clipall ;;
+        --warmup 3 --batches 64 --modes "${MIXED_PAIRED:-native-mixed,native-mixed-clipall}" ;;
     hog)  # issue 11: GPU-resident accumulation with and without a steady load on the host (HOG_THREADS, 12: copies, or
       # with HOG_KERNEL=adamw the engine's AdamW kernel in its pinned pool): what the host steps' load alone costs a
       # launch-bound backward
@@ -264,8 +264,11 @@ for step in "${steps[@]}"; do
     train-lora)  # issue 12: LoRA r=16 on the 8B shape, offloaded under the 24 GB cap beside GPU-resident LoRA (uncapped)
       run train_lora python3 benchmarks/bench_train.py --preset b2 --gpu-cap-gb 24 --steps 6 --warmup 2 \
         --stem train_b2_lora --modes "${LORA_MODES:-resident-lora16,native-bf16-lora16}" ;;
-    host-passes)  # each host pass alone per unit, as laid out in training (the engine's own buffer starts)
-      run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ;;
+    host-passes)  # each host pass alone per unit, as laid out in training (the engine's own buffer starts); the steps
+      # after the norm as params and moments passes (the default), then whole; HOST_PASSES: a --passes list
+      run host_passes python3 benchmarks/bench_host_passes.py --skew 0 ${HOST_PASSES:+--passes "$HOST_PASSES"}
+      run host_passes_one_pass python3 benchmarks/bench_host_passes.py --skew 0 --one-pass --passes scale_step,redo \
+        --stem host_passes_one_pass ;;
     train-compile) run train_compile python3 benchmarks/bench_train.py --compile --modes resident,native-bf16 ;;
     pin) run pin python3 benchmarks/bench_pin.py ;;
     bytecode)  # what `pip install` leaves and this image lacks: the bytecode of every package offload-train imports (run 70's

@@ -219,6 +219,78 @@ def test_a_lower_unit_goes_ahead_of_a_started_higher_one_at_its_next_slice() -> 
         engine.set_slice_elements(0)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed"])
+def test_a_step_after_the_norm_in_two_passes_gives_the_bits_of_one(precision: str) -> None:
+    # The params pass and the moments pass each compute the whole update and store their part; in place,
+    # the params pass goes first, so the moments pass still reads the moments before the step.
+    results = []
+    for params_first in (False, True):
+        engine = _engine(num_threads=2)
+        engine.set_params_first(params_first)
+        units, tensors = _engine_units(engine, [10_007, 333], precision)
+        for u in units:
+            engine.run(u, Job.SCALE_STEP, 0.375)
+        engine.wait_all()
+        results.append([t for ts in tensors for t in ts if t is not None])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_a_redo_in_two_passes_gives_the_bits_of_one(sr: bool) -> None:
+    # From the state before the speculative step (the second buffers) into the live one, in two passes.
+    n = 4096
+    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    results = []
+    for params_first in (False, True):
+        engine = _engine()
+        engine.set_params_first(params_first)
+        u, t = _speculative_unit(engine, n, sr)
+        engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.SPECULATIVE_STEP)
+        engine.wait_all()  # the speculative step ran: the redo reads the state it left behind
+        engine.wait_norms()
+        engine.redo(u, 0.5)
+        engine.release_speculation()
+        engine.wait_all()
+        assert engine.swapped(u)
+        results.append([x.clone() for x in t])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_the_params_of_a_step_after_the_norm_are_ready_before_its_moments_pass_which_goes_last() -> None:
+    engine = _engine()
+    (low, high), _ = _engine_units(engine, [1024, 1024], "bf16")
+    engine.set_debug_step_delay_us(100_000)  # every pass: 0.1 s
+    engine.start_trace()
+    engine.run(low, Job.SCALE_STEP, 0.5)
+    engine.run(high, Job.SCALE_STEP, 0.5)
+    # The wait returns once the params are stored; the moments pass behind them is not raised with them.
+    engine.wait_unit(low, params_only=True)
+    assert engine.ready(low, params_only=True) and not engine.ready(low)
+    engine.wait_all()
+    order = [(name.rsplit(" u", 1)[0], unit) for lane, name, _, _, unit in engine.stop_trace() if lane == "host step"]
+    assert order == [("scale + step (params)", low), ("scale + step (params)", high),
+                     ("scale + step (moments)", low), ("scale + step (moments)", high)]
+
+
+def test_a_moments_pass_goes_first_when_its_unit_has_work_behind_it() -> None:
+    # The unit's next job (here its next step) waits behind its moments pass: that pass ranks as the job
+    # would (the lowest unit first), not last.
+    engine = _engine()
+    (low, high), _ = _engine_units(engine, [1024, 1024], "bf16")
+    engine.set_debug_step_delay_us(100_000)
+    engine.start_trace()
+    engine.run(high, Job.SCALE_STEP, 0.5)  # taken at once, before the rest is queued
+    time.sleep(0.03)
+    engine.run(low, Job.SCALE_STEP, 0.5)
+    engine.notify(low)  # its next step
+    engine.wait_all()
+    order = [(name.rsplit(" u", 1)[0], unit) for lane, name, _, _, unit in engine.stop_trace() if lane == "host step"]
+    assert order == [("scale + step (params)", high), ("scale + step (params)", low), ("scale + step (moments)", low),
+                     ("step", low), ("scale + step (moments)", high)]
+
+
 def _returns_within(seconds: float, fn: Callable[[], object]) -> bool:
     """Whether fn() returns within `seconds` (a wait that hangs would otherwise hang the test run)."""
     done = threading.Event()

@@ -99,6 +99,11 @@ class Offloader(torch.optim.Optimizer):
     host_nice: the native engine's host-step threads' niceness, 0-19 (0: the process's own priority). Above 0,
     a thread of normal priority that wakes on a CPU they hold (autograd's, launching the backward's kernels;
     the CUDA driver's callbacks) takes it from them at once, where the kernel's fair share would let it wait.
+
+    params_first: the native engine runs each host step taken after the clipping norm is known (a redo, a
+    clipped step, a speculative step held until then) as two passes: the params, which the next forward's copy
+    of the layer waits for, then the moments, behind every other layer's work. Both compute the whole update,
+    so the bits are those of one pass. False: one pass (less host memory traffic in all, a longer wait).
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class Offloader(torch.optim.Optimizer):
         activation_offload: bool = False,
         eager_uploads: bool = True,
         host_nice: int = 0,
+        params_first: bool = True,
     ) -> None:
         Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
                 slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step, host_nice)
@@ -168,6 +174,7 @@ class Offloader(torch.optim.Optimizer):
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
             backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads, host_nice=host_nice,
+            params_first=params_first,
             slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options(),
             sr_seed=sr_seed)
         # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.

@@ -39,7 +39,8 @@ class NativeBackend(Backend):
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
                  grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
-                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, **_: Any) -> None:
+                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, params_first: bool = True,
+                 **_: Any) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
@@ -71,6 +72,9 @@ class NativeBackend(Backend):
                                "offload_ext.build_info()); reinstall with a CUDA toolkit, or use backend='python'")
         index = -1 if device.type == "cpu" else torch.cuda.current_device() if device.index is None else device.index
         self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes, host_nice)
+        # After the norm, a step stores the params first and the moments in a pass of their own, later: the next
+        # forward's copy waits for the params alone (StepScheduler::set_params_first).
+        self._engine.set_params_first(params_first)
         self._slice_elements = slice_elements  # None: chosen in prepare()
         if slice_elements is not None:
             self._engine.set_slice_elements(slice_elements)
@@ -200,13 +204,13 @@ class NativeBackend(Backend):
     def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
         # Its step writes the params we copy (the waits release the GIL).
         self._wait_device_redo(index)
-        self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device")
+        self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device", params_only=True)
         self._follow_swap(index, layer)  # "bf16": a speculative step left the params in the other buffer
         return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index,
                                  after_event=after.cuda_event if after is not None else 0)
 
     def ready(self, index: int) -> bool:
-        return self._engine.ready(index)
+        return self._engine.ready(index, params_only=True)
 
     def compute_wait(self, event: Any) -> None:
         self._engine.compute_wait(event)
@@ -300,6 +304,8 @@ class NativeBackend(Backend):
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         self._wait_device_redo(index)  # its redo may still read the kept gradient this copy overwrites
+        if self._keep_grads:  # so may its last step's moments pass, which the forward did not wait for
+            self._engine.wait_unit(index, reason=f"u{index}'s moments pass, before its gradients land where it reads")
         slot = None if index in self._own_grads else index % self._grad_slots
         if slot is not None:
             owner = self._slot_owner[slot]

@@ -156,20 +156,29 @@ T* at(T* p, int64_t i) {
 
 Bf16Pass offset(const Bf16Pass& a, int64_t i) {
   return {a.param_in + i, a.param + i, a.grad + i, at(a.grad_add, i),
-          a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i, a.grad_scale};
+          a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i, a.grad_scale, a.parts};
 }
 
 Fp32Pass offset(const Fp32Pass& a, int64_t i) {
   const size_t grad_size = a.grad_type == GradType::kBF16 ? 2 : 4;
   return {a.param_in + i, a.param + i, static_cast<const char*>(a.grad) + i * grad_size, a.grad_type,
           at(a.grad_add, i), a.exp_avg_in + i, a.exp_avg + i, a.exp_avg_sq_in + i, a.exp_avg_sq + i,
-          at(a.param_out, i), a.grad_scale};
+          at(a.param_out, i), a.grad_scale, a.parts};
+}
+
+// Two-part passes (Parts) exist for steps after the norm only: the kernels split no other kind.
+void check_parts(Parts parts, bool summed, bool fp32_grad) {
+  if (parts == Parts::kAll || (!summed && !fp32_grad)) return;
+  throw std::invalid_argument(std::string("AdamW: a pass of the params or the moments alone takes a bf16 gradient "
+                                          "as it is or scaled, got ") +
+                              (summed ? "a sum (grad_add)" : "an fp32 gradient") + "; step it in one pass (Parts::kAll)");
 }
 
 }  // namespace
 
 void adamw_bf16(const Bf16Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
                 const std::optional<SrStream>& sr) {
+  check_parts(pass.parts, pass.grad_add != nullptr, false);
   const AdamWCoef c = make_coef(h);
   auto span = by_level(level, adamw_bf16_span_avx512, adamw_bf16_span_avx2, adamw_bf16_span_scalar);
   if (!sr) {
@@ -200,6 +209,7 @@ void adamw_bf16(uint16_t* param, const uint16_t* grad, uint16_t* exp_avg, uint16
 }
 
 void adamw_fp32(const Fp32Pass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level) {
+  check_parts(pass.parts, pass.grad_add != nullptr, pass.grad_type == GradType::kFP32);
   const AdamWCoef c = make_coef(h);
   auto span = by_level(level, adamw_fp32_span_avx512, adamw_fp32_span_avx2, adamw_fp32_span_scalar);
   for_chunks(n, pool, [&](int64_t b, int64_t e) { span(offset(pass, b), e - b, c); });

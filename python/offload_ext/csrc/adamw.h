@@ -67,6 +67,13 @@ AdamWCoef make_coef(const AdamWHyper& h);
 
 enum class GradType { kBF16, kFP32 };
 
+// What a pass stores. A step the next forward waits for (after the norm: a redo or a clipped step) can run
+// as two passes: kParams stores the param alone (the forward's copy waits for it), kMoments the moments
+// alone, later. Each computes the whole update, so the two give the bits of one kAll pass; the moments pass
+// never reads the param, so in place the params pass goes first and the moments pass still reads the old
+// moments.
+enum class Parts : uint8_t { kAll = 0, kParams = 1, kMoments = 2 };
+
 // Where one AdamW pass reads and writes (pointers at element 0 of the span). In place, each *_out
 // equals its *_in. Out of place, the state before the pass survives: speculative clipping redoes a
 // step from it; the stores out of place bypass the cache (non-temporal) where aligned. `grad_add` (optional, bf16): the step uses bf16(grad_add + grad), one rounding, as
@@ -81,6 +88,7 @@ struct Bf16Pass {
   const uint16_t* exp_avg_sq_in;
   uint16_t* exp_avg_sq;
   float grad_scale = 1.0f;     // != 1: the step uses bf16(grad * grad_scale) (clipping; not with grad_add)
+  Parts parts = Parts::kAll;
 };
 
 struct Fp32Pass {
@@ -95,6 +103,7 @@ struct Fp32Pass {
   float* exp_avg_sq;
   uint16_t* param_out;         // optional: the stepped param rounded to bf16
   float grad_scale = 1.0f;     // != 1: bf16 grads only, the step uses bf16(grad * grad_scale)
+  Parts parts = Parts::kAll;   // kParams stores param and param_out
 };
 
 // Where a bf16 pass draws its stochastic rounding bits (stochastic_rounding.h): (seed, stream) name the

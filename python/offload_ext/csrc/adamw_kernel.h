@@ -84,41 +84,53 @@ inline void put_bf16_sr(uint16_t* p, typename V::F x, typename V::I r) {
   kStream ? V::stream_bf16_sr(p, x, r) : V::store_bf16_sr(p, x, r);
 }
 
-// The three stores of a bf16 pass at element i: to nearest even, or (kSR) param and exp_avg_sq by
-// stochastic_rounding.h's rule, `counter` holding the hash inputs of elements i .. i + W - 1.
-template <class V, bool kStream, bool kSR>
+// Which stores a pass makes (adamw.h's Parts, as a template argument).
+constexpr int kAllParts = static_cast<int>(Parts::kAll);
+constexpr int kParamsPart = static_cast<int>(Parts::kParams);
+constexpr int kMomentsPart = static_cast<int>(Parts::kMoments);
+constexpr bool stores_param(int parts) { return parts != kMomentsPart; }
+constexpr bool stores_moments(int parts) { return parts != kParamsPart; }
+
+// The stores of a bf16 pass at element i (those of `kParts`): to nearest even, or (kSR) param and exp_avg_sq
+// by stochastic_rounding.h's rule, `counter` holding the hash inputs of elements i .. i + W - 1.
+template <class V, bool kStream, bool kSR, int kParts>
 inline void store_state_bf16(const Bf16Pass& a, int64_t i, typename V::I counter, typename V::F P, typename V::F M,
                              typename V::F S) {
   if (!kSR) {
-    put_bf16<V, kStream>(a.param + i, P);
-    put_bf16<V, kStream>(a.exp_avg + i, M);
-    put_bf16<V, kStream>(a.exp_avg_sq + i, S);
+    if (stores_param(kParts)) put_bf16<V, kStream>(a.param + i, P);
+    if (stores_moments(kParts)) {
+      put_bf16<V, kStream>(a.exp_avg + i, M);
+      put_bf16<V, kStream>(a.exp_avg_sq + i, S);
+    }
     return;
   }
   const auto word = sr_hash32<V>(counter);
-  put_bf16_sr<V, kStream>(a.param + i, P, V::iand(word, V::iset1(0xffffu)));
-  put_bf16<V, kStream>(a.exp_avg + i, M);
-  put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::template shr<16>(word));
+  if (stores_param(kParts)) put_bf16_sr<V, kStream>(a.param + i, P, V::iand(word, V::iset1(0xffffu)));
+  if (stores_moments(kParts)) {
+    put_bf16<V, kStream>(a.exp_avg + i, M);
+    put_bf16_sr<V, kStream>(a.exp_avg_sq + i, S, V::template shr<16>(word));
+  }
 }
 
-template <class V, int kGrad, bool kStream, bool kSR>
+template <class V, int kGrad, bool kStream, bool kSR, int kParts>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
   // Stochastic rounding's hash inputs, uint32(index) + uint32(K) (stochastic_rounding.h), counted along.
   auto counter = V::iota(c.sr_key + c.sr_index + static_cast<uint32_t>(i));
   for (; i + V::W <= n; i += V::W, counter = V::iadd(counter, V::iset1(V::W))) {
     if (pf) {
-      V::prefetch(a.param_in + i + pf);
+      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf);
       V::prefetch(a.grad + i + pf);
       if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf);
       V::prefetch(a.exp_avg_in + i + pf);
       V::prefetch(a.exp_avg_sq_in + i + pf);
     }
-    auto P = V::load_bf16(a.param_in + i);
+    // The moments never depend on the param: a moments pass does not read it (its update is dead code).
+    auto P = stores_param(kParts) ? V::load_bf16(a.param_in + i) : V::set1(0.0f);
     auto M = V::load_bf16(a.exp_avg_in + i);
     auto S = V::load_bf16(a.exp_avg_sq_in + i);
     adamw_update<V>(P, load_grad_bf16<V, kGrad>(a.grad, a.grad_add, a.grad_scale, i), M, S, c);
-    store_state_bf16<V, kStream, kSR>(a, i, counter, P, M, S);
+    store_state_bf16<V, kStream, kSR, kParts>(a, i, counter, P, M, S);
   }
   if (kStream) V::fence();
   return i;
@@ -126,14 +138,14 @@ inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoe
 
 enum OutMode { kNoOut = 0, kStoreOut = 1, kStreamOut = 2 };
 
-template <class V, bool kGradBF16, int kGrad, int kOut, bool kStream>
+template <class V, bool kGradBF16, int kGrad, int kOut, bool kStream, int kParts>
 inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
   const auto* g16 = static_cast<const uint16_t*>(a.grad);
   const auto* g32 = static_cast<const float*>(a.grad);
   for (; i + V::W <= n; i += V::W) {
     if (pf) {
-      V::prefetch(a.param_in + i + pf);
+      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf);
       V::prefetch(a.exp_avg_in + i + pf);
       V::prefetch(a.exp_avg_sq_in + i + pf);
       if (kGradBF16) {
@@ -143,16 +155,20 @@ inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoe
         V::prefetch(g32 + i + pf);
       }
     }
-    auto P = V::load_f32(a.param_in + i);
+    auto P = stores_param(kParts) ? V::load_f32(a.param_in + i) : V::set1(0.0f);
     auto M = V::load_f32(a.exp_avg_in + i);
     auto S = V::load_f32(a.exp_avg_sq_in + i);
     auto G = kGradBF16 ? load_grad_bf16<V, kGrad>(g16, a.grad_add, a.grad_scale, i) : V::load_f32(g32 + i);
     adamw_update<V>(P, G, M, S, c);
-    put_f32<V, kStream>(a.param + i, P);
-    put_f32<V, kStream>(a.exp_avg + i, M);
-    put_f32<V, kStream>(a.exp_avg_sq + i, S);
-    if (kOut == kStoreOut) V::store_bf16(a.param_out + i, P);
-    if (kOut == kStreamOut) V::stream_bf16(a.param_out + i, P);
+    if (stores_param(kParts)) {
+      put_f32<V, kStream>(a.param + i, P);
+      if (kOut == kStoreOut) V::store_bf16(a.param_out + i, P);
+      if (kOut == kStreamOut) V::stream_bf16(a.param_out + i, P);
+    }
+    if (stores_moments(kParts)) {
+      put_f32<V, kStream>(a.exp_avg + i, M);
+      put_f32<V, kStream>(a.exp_avg_sq + i, S);
+    }
   }
   if (kOut == kStreamOut || kStream) V::fence();
   return i;
@@ -168,7 +184,7 @@ inline int64_t head_elements(const void* p, size_t elem, size_t align, int64_t n
 
 inline bool aligned(const void* p, size_t align) { return reinterpret_cast<uintptr_t>(p) % align == 0; }
 
-template <class V, int kGrad, bool kSR>
+template <class V, int kGrad, bool kSR, int kParts>
 inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   // Out of place (every output in a buffer other than its input), streamed once the stores are
   // vector-aligned.
@@ -178,23 +194,34 @@ inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   const bool stream = c.stream_out && out_of_place && V::W > 1 && h < n && aligned(a.exp_avg_sq + h, kA) &&
                       aligned(a.param + h, kA);
   if (!stream) {
-    const int64_t i = bf16_loop<V, kGrad, false, kSR>(a, 0, n, c);
-    bf16_loop<ScalarVec, kGrad, false, kSR>(a, i, n, c);
+    const int64_t i = bf16_loop<V, kGrad, false, kSR, kParts>(a, 0, n, c);
+    bf16_loop<ScalarVec, kGrad, false, kSR, kParts>(a, i, n, c);
     return;
   }
-  bf16_loop<ScalarVec, kGrad, false, kSR>(a, 0, h, c);
-  const int64_t i = bf16_loop<V, kGrad, true, kSR>(a, h, n, c);
-  bf16_loop<ScalarVec, kGrad, false, kSR>(a, i, n, c);
+  bf16_loop<ScalarVec, kGrad, false, kSR, kParts>(a, 0, h, c);
+  const int64_t i = bf16_loop<V, kGrad, true, kSR, kParts>(a, h, n, c);
+  bf16_loop<ScalarVec, kGrad, false, kSR, kParts>(a, i, n, c);
+}
+
+// A pass in two parts is a step after the norm, never one summing micro-batches (kGradAdd).
+template <class V, int kGrad, bool kSR>
+inline void bf16_span_parts(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
+  switch (a.parts) {
+    case Parts::kParams: return bf16_span_mode<V, kGrad, kSR, kParamsPart>(a, n, c);
+    case Parts::kMoments: return bf16_span_mode<V, kGrad, kSR, kMomentsPart>(a, n, c);
+    case Parts::kAll: break;
+  }
+  bf16_span_mode<V, kGrad, kSR, kAllParts>(a, n, c);
 }
 
 template <class V, bool kSR>
 inline void bf16_span_rounded(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   if (a.grad_add != nullptr) {
-    bf16_span_mode<V, kGradAdd, kSR>(a, n, c);
+    bf16_span_mode<V, kGradAdd, kSR, kAllParts>(a, n, c);
   } else if (a.grad_scale != 1.0f) {
-    bf16_span_mode<V, kGradScale, kSR>(a, n, c);
+    bf16_span_parts<V, kGradScale, kSR>(a, n, c);
   } else {
-    bf16_span_mode<V, kGradPlain, kSR>(a, n, c);
+    bf16_span_parts<V, kGradPlain, kSR>(a, n, c);
   }
 }
 
@@ -203,7 +230,7 @@ inline void bf16_span(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   c.stochastic ? bf16_span_rounded<V, true>(a, n, c) : bf16_span_rounded<V, false>(a, n, c);
 }
 
-template <class V, bool kGradBF16, int kGrad, int kOut>
+template <class V, bool kGradBF16, int kGrad, int kOut, int kParts>
 inline void fp32_span_impl(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   constexpr int kTailOut = kOut == kNoOut ? kNoOut : kStoreOut;
   constexpr size_t kA = V::W * sizeof(float);
@@ -213,38 +240,49 @@ inline void fp32_span_impl(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
                       aligned(a.param + h, kA) &&
                       (kOut != kStreamOut || aligned(a.param_out + h, V::W * sizeof(uint16_t)));
   if (!stream) {
-    const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, false>(a, 0, n, c);
-    fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, i, n, c);
+    const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, false, kParts>(a, 0, n, c);
+    fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false, kParts>(a, i, n, c);
     return;
   }
-  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, 0, h, c);
-  const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, true>(a, h, n, c);
-  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false>(a, i, n, c);
+  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false, kParts>(a, 0, h, c);
+  const int64_t i = fp32_loop<V, kGradBF16, kGrad, kOut, true, kParts>(a, h, n, c);
+  fp32_loop<ScalarVec, kGradBF16, kGrad, kTailOut, false, kParts>(a, i, n, c);
 }
 
-template <class V, bool kGradBF16, int kGrad>
+template <class V, bool kGradBF16, int kGrad, int kParts>
 inline void fp32_span_out(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   // Non-temporal stores need the vector store width's alignment.
   constexpr uintptr_t kOutAlign = V::W * sizeof(uint16_t);
-  if (!a.param_out) {
-    fp32_span_impl<V, kGradBF16, kGrad, kNoOut>(a, n, c);
+  if (!a.param_out || !stores_param(kParts)) {
+    fp32_span_impl<V, kGradBF16, kGrad, kNoOut, kParts>(a, n, c);
   } else if (c.stream_out && reinterpret_cast<uintptr_t>(a.param_out) % kOutAlign == 0) {
-    fp32_span_impl<V, kGradBF16, kGrad, kStreamOut>(a, n, c);
+    fp32_span_impl<V, kGradBF16, kGrad, kStreamOut, kParts>(a, n, c);
   } else {
-    fp32_span_impl<V, kGradBF16, kGrad, kStoreOut>(a, n, c);
+    fp32_span_impl<V, kGradBF16, kGrad, kStoreOut, kParts>(a, n, c);
   }
+}
+
+// As bf16_span_parts: only a bf16 gradient read as it is or scaled comes in two parts.
+template <class V, int kGrad>
+inline void fp32_span_parts(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
+  switch (a.parts) {
+    case Parts::kParams: return fp32_span_out<V, true, kGrad, kParamsPart>(a, n, c);
+    case Parts::kMoments: return fp32_span_out<V, true, kGrad, kMomentsPart>(a, n, c);
+    case Parts::kAll: break;
+  }
+  fp32_span_out<V, true, kGrad, kAllParts>(a, n, c);
 }
 
 template <class V>
 inline void fp32_span(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   if (a.grad_type == GradType::kFP32) {
-    fp32_span_out<V, false, kGradPlain>(a, n, c);
+    fp32_span_out<V, false, kGradPlain, kAllParts>(a, n, c);
   } else if (a.grad_add != nullptr) {
-    fp32_span_out<V, true, kGradAdd>(a, n, c);
+    fp32_span_out<V, true, kGradAdd, kAllParts>(a, n, c);
   } else if (a.grad_scale != 1.0f) {
-    fp32_span_out<V, true, kGradScale>(a, n, c);
+    fp32_span_parts<V, kGradScale>(a, n, c);
   } else {
-    fp32_span_out<V, true, kGradPlain>(a, n, c);
+    fp32_span_parts<V, kGradPlain>(a, n, c);
   }
 }
 

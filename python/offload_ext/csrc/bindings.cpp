@@ -183,8 +183,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_over", &Engine::take_over, py::arg("unit"), Release(),
            "The unit's clipped redo runs on the device: drop its speculative step if not started (swapping as if "
            "it ran), else wait for it; then swapped(unit) names the buffers to fill.")
-      .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", Release(),
-           "Block until the unit's announced jobs are done; a wait that blocked goes on the timeline as `reason`.")
+      .def("wait_unit", &Engine::wait_unit, py::arg("unit"), py::arg("reason") = "", py::arg("params_only") = false,
+           Release(), "Block until the unit's announced jobs are done (params_only: all but a moments pass behind its "
+           "params); a wait that blocked goes on the timeline as `reason`.")
       .def("start_trace", &Engine::start_trace, "Record the timeline (copies, host step slices, waits) from now on.")
       .def("stop_trace", [](Engine& e) {
         py::list out;
@@ -192,8 +193,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       }, "Stop recording; the events as (lane, name, begin_ns, end_ns, unit), on time.monotonic_ns()'s clock.")
       .def("wait_all", &Engine::wait_all, Release())
-      .def("ready", &Engine::ready, py::arg("unit"),
-           "Whether every announced job of `unit` is done (a copy from its params is safe), without waiting.")
+      .def("ready", &Engine::ready, py::arg("unit"), py::arg("params_only") = false,
+           "Whether every announced job of `unit` is done (params_only: its params are final, a copy from them is "
+           "safe), without waiting.")
+      .def("set_params_first", &Engine::set_params_first, py::arg("on"),
+           "A step after the norm stores the params in one pass and the moments in a later one (default on); "
+           "off: one pass.")
       .def("swapped", &Engine::swapped, py::arg("unit"),
            "Whether the unit's live state is in its second (alt) buffers: after an odd number of speculative steps.")
       .def("check", &Engine::check, "Raise a failed step's error, if any, without waiting.")

@@ -194,9 +194,9 @@ namespace {
 constexpr int64_t kBlockedNs = 2000;
 }  // namespace
 
-void Engine::wait_unit(int unit, const std::string& reason) {
+void Engine::wait_unit(int unit, const std::string& reason, bool params_only) {
   const int64_t begin = TraceRecorder::now_ns();
-  scheduler_->wait(unit);
+  scheduler_->wait(unit, params_only);
   const int64_t end = TraceRecorder::now_ns();
   if (end - begin > kBlockedNs) {
     trace_->record("wait", reason.empty() ? "wait u" + std::to_string(unit) : reason, begin, end, unit);

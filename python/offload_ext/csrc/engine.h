@@ -70,10 +70,12 @@ class Engine {
   void redo(int unit, float scale);
   // The unit's clipped redo happens on the device: see StepScheduler::take_over.
   void take_over(int unit);
-  // Blocks until `unit`'s announced jobs are done; on the timeline (lane "wait") as `reason` when it blocked.
-  void wait_unit(int unit, const std::string& reason);
+  // Blocks until `unit`'s announced jobs are done (`params_only`: but a trailing moments pass, see
+  // StepScheduler::set_params_first); on the timeline (lane "wait") as `reason` when it blocked.
+  void wait_unit(int unit, const std::string& reason, bool params_only = false);
   void wait_all();
-  bool ready(int unit) const { return scheduler_->ready(unit); }
+  bool ready(int unit, bool params_only = false) const { return scheduler_->ready(unit, params_only); }
+  void set_params_first(bool on) { scheduler_->set_params_first(on); }
   bool swapped(int unit) const { return scheduler_->swapped(unit); }
   void check() { scheduler_->check(); }
   void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }

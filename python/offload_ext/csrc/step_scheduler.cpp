@@ -52,6 +52,8 @@ int StepScheduler::add_unit(const StepUnit& unit, std::vector<GroupRange> groups
   sq_norms_.push_back(0.0);
   swapped_.push_back(false);
   waiters_.push_back(0);
+  params_waiters_.push_back(0);
+  trailing_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -122,6 +124,7 @@ void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
           "StepScheduler: unit " + std::to_string(id) + " has no second state buffers for speculative clipping"));
     }
     queue_.push_back({id, hypers_, job, scale});
+    if (job == Job::kScaleStep) split_locked(std::prev(queue_.end()));  // only a step after the norm is queued so
     if (then_step) queue_.push_back({id, hypers_, Job::kSpeculativeStep, 1.0f});
     if (job == Job::kSpeculativeStep) --norms_pending_;  // its copy landed: see Engine::copy
   }
@@ -175,7 +178,7 @@ enum class Flow {
 };
 
 void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, float scale, Flow flow,
-               const AdamWHyper& h, ThreadPool& pool) {
+               const AdamWHyper& h, ThreadPool& pool, Parts parts = Parts::kAll) {
   const bool to = flow == Flow::kToAlt, from = flow == Flow::kFromAlt;
   void* m_out = to ? u.alt_exp_avg : u.exp_avg;
   void* v_out = to ? u.alt_exp_avg_sq : u.exp_avg_sq;
@@ -188,12 +191,12 @@ void step_pass(const StepUnit& u, const void* grad, const uint16_t* grad_add, fl
     adamw_bf16(Bf16Pass{static_cast<const uint16_t*>(p_in), static_cast<uint16_t*>(p_out),
                         static_cast<const uint16_t*>(grad), grad_add, static_cast<const uint16_t*>(m_in),
                         static_cast<uint16_t*>(m_out), static_cast<const uint16_t*>(v_in),
-                        static_cast<uint16_t*>(v_out), scale},
+                        static_cast<uint16_t*>(v_out), scale, parts},
                u.numel, h, pool, level, u.sr);
   } else {
     adamw_fp32(Fp32Pass{static_cast<const float*>(p_in), static_cast<float*>(p_out), grad,
                         u.grad_type, grad_add, static_cast<const float*>(m_in), static_cast<float*>(m_out),
-                        static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out, scale},
+                        static_cast<const float*>(v_in), static_cast<float*>(v_out), u.param_out, scale, parts},
                u.numel, h, pool, level);
   }
 }
@@ -259,7 +262,7 @@ void StepScheduler::run(const StepUnit& whole, const std::vector<GroupRange>& gr
     const int64_t at = a - begin;  // within this slice
     const StepUnit piece = sub_unit(unit, at, at + (b - a));
     step_pass(piece, static_cast<const char*>(grad) + at * grad_size, grad_add ? grad_add + at : nullptr, scale, flow,
-              job.hypers[static_cast<size_t>(g.group)], *pool_);
+              job.hypers[static_cast<size_t>(g.group)], *pool_, job.parts);
   }
 }
 
@@ -315,7 +318,8 @@ void StepScheduler::loop() {
         failure = std::current_exception();
       }
       if (trace && trace->enabled()) {
-        trace->record("host step", std::string(job_name(job.job)) + " u" + std::to_string(job.unit), begin_ns,
+        const char* part = job.parts == Parts::kParams ? " (params)" : job.parts == Parts::kMoments ? " (moments)" : "";
+        trace->record("host step", std::string(job_name(job.job)) + part + " u" + std::to_string(job.unit), begin_ns,
                       TraceRecorder::now_ns(), job.unit);
       }
     }
@@ -331,12 +335,13 @@ void StepScheduler::loop() {
         continue;
       }
       ++stepped_[job.unit];
+      if (job.parts == Parts::kMoments) --trailing_[job.unit];
       if (carries_norm(job.job)) --norms_pending_;
       if (job.job == Job::kSpeculativeStep && !skip) {
         swap_state(units_[job.unit]);
         swapped_[job.unit] = !swapped_[job.unit];
       }
-      if (!skip) ++stats_.units_stepped;
+      if (!skip && job.parts != Parts::kMoments) ++stats_.units_stepped;
     }
     done_cv_.notify_all();
   }
@@ -347,17 +352,33 @@ std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
   // else the lowest unit id, the one the next forward needs soonest. The first queued job of the
   // chosen unit is taken, so one unit's jobs keep their order.
   // While someone waits for the norms (speculative clipping), a unit whose next job is a norm goes
-  // before the others.
-  auto rank = [&](const Queued& q) {
-    return std::make_tuple(waiters_[q.unit] == 0, !(norm_waiters_ > 0 && carries_norm(q.job)), q.unit);
+  // before the others. A moments pass goes after every other unit's work, unless a job of its unit waits
+  // behind it: then it ranks as that job.
+  auto rank = [&](const Queued& head, const Queued* behind) {
+    const Queued& q = head.parts == Parts::kMoments && behind != nullptr ? *behind : head;
+    const bool trailing = q.parts == Parts::kMoments;
+    // A caller waiting for the params waits for no trailing moments pass (its wait may not have returned yet).
+    const bool waited = waiters_[q.unit] > 0 || (params_waiters_[q.unit] > 0 && !trailing);
+    return std::make_tuple(!waited, !(norm_waiters_ > 0 && carries_norm(q.job)), trailing, q.unit);
   };
-  auto best = queue_.end();
-  std::vector<bool> seen(units_.size(), false);
+  std::vector<std::deque<Queued>::iterator> head(units_.size(), queue_.end());
+  std::vector<const Queued*> behind(units_.size(), nullptr);
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-    if (seen[static_cast<size_t>(it->unit)]) continue;  // only a unit's first queued job is a candidate
-    seen[static_cast<size_t>(it->unit)] = true;
-    if (held_locked(*it)) continue;
-    if (best == queue_.end() || rank(*it) < rank(*best)) best = it;
+    const auto u = static_cast<size_t>(it->unit);
+    if (head[u] == queue_.end()) {
+      head[u] = it;  // only a unit's first queued job is a candidate
+    } else if (behind[u] == nullptr) {
+      behind[u] = &*it;
+    }
+  }
+  auto best = queue_.end();
+  const Queued* best_behind = nullptr;
+  for (size_t u = 0; u < head.size(); ++u) {
+    if (head[u] == queue_.end() || held_locked(*head[u])) continue;
+    if (best == queue_.end() || rank(*head[u], behind[u]) < rank(*best, best_behind)) {
+      best = head[u];
+      best_behind = behind[u];
+    }
   }
   return best;
 }
@@ -366,7 +387,7 @@ bool StepScheduler::held_locked(const Queued& q) const {
   // On the GPU machine a speculative step that started in the gap between the last norm and the redos
   // delayed the whole redo chain, which the next forward waits on, by one step (B1 clipall, run 26).
   return hold_speculation_ && norms_pending_ == 0 && q.job == Job::kSpeculativeStep && q.begin == 0 &&
-         waiters_[q.unit] == 0;
+         waiters_[q.unit] == 0 && params_waiters_[q.unit] == 0;
 }
 
 template <class Done>
@@ -391,18 +412,44 @@ void StepScheduler::rethrow_locked() {
   }
 }
 
-void StepScheduler::wait(int id) {
+void StepScheduler::wait(int id, bool params_only) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_unit_locked(id);
-  wait_unit_locked(lock, id);
+  wait_unit_locked(lock, id, params_only);
 }
 
-void StepScheduler::wait_unit_locked(std::unique_lock<std::mutex>& lock, int id) {
-  ++waiters_[id];
+bool StepScheduler::done_locked(int id, bool params_only) const {
+  // A moments pass is its unit's last job until the unit's next step is announced, which comes after the
+  // next forward's copy: the params are final once every job but those is done.
+  return stepped_[id] + (params_only ? trailing_[id] : 0) >= expected_[id];
+}
+
+void StepScheduler::wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only) {
+  if (done_locked(id, params_only)) {
+    rethrow_locked();
+    return;
+  }
+  std::vector<int>& waiters = params_only ? params_waiters_ : waiters_;
+  ++waiters[id];
   work_cv_.notify_all();  // a held job of this unit may run now, and its jobs go first
-  wait_locked(lock, [&] { return stepped_[id] >= expected_[id]; });
-  --waiters_[id];
+  wait_locked(lock, [&] { return done_locked(id, params_only); });
+  --waiters[id];
   rethrow_locked();
+}
+
+void StepScheduler::set_params_first(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  params_first_ = on;
+}
+
+std::deque<StepScheduler::Queued>::iterator StepScheduler::split_locked(std::deque<Queued>::iterator at) {
+  if (!params_first_ || at->parts != Parts::kAll) return std::next(at);
+  at->parts = Parts::kParams;
+  Queued moments = *at;
+  moments.parts = Parts::kMoments;
+  ++expected_[at->unit];
+  ++trailing_[at->unit];
+  return std::next(queue_.insert(std::next(at), std::move(moments)));
 }
 
 bool StepScheduler::has_second_buffers(int id) const {
@@ -417,10 +464,10 @@ bool StepScheduler::swapped(int id) const {
   return swapped_[id];
 }
 
-bool StepScheduler::ready(int id) const {
+bool StepScheduler::ready(int id, bool params_only) const {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit_locked(id);
-  return stepped_[id] >= expected_[id];
+  return done_locked(id, params_only);
 }
 
 void StepScheduler::set_debug_step_delay_us(int us) {
@@ -439,8 +486,13 @@ void StepScheduler::release_speculation() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!hold_speculation_) return;
     hold_speculation_ = false;
-    for (Queued& q : queue_) {
-      if (q.job == Job::kSpeculativeStep && q.begin == 0) q.job = Job::kScaleStep;  // q.scale is 1
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->job == Job::kSpeculativeStep && it->begin == 0) {
+        it->job = Job::kScaleStep;  // it->scale is 1
+        it = split_locked(it);
+      } else {
+        ++it;
+      }
     }
   }
   work_cv_.notify_all();
@@ -492,10 +544,12 @@ void StepScheduler::redo(int id, float scale) {
     if (it != queue_.end()) {  // not started: step once, clipped, in place
       it->job = Job::kScaleStep;
       it->scale = scale;
+      split_locked(it);
       return;
     }
     ++expected_[id];
     queue_.push_back({id, hypers_, Job::kRedo, scale});
+    split_locked(std::prev(queue_.end()));
   }
   work_cv_.notify_one();
 }
