@@ -258,6 +258,38 @@ def test_a_redo_in_two_passes_gives_the_bits_of_one(sr: bool) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("clips", [False, True])
+def test_a_held_speculative_step_waits_for_the_norm_then_steps_once_in_place(clips: bool) -> None:
+    # hold_speculation (after a step that clipped): the speculative step queued by a landing does not run;
+    # once the norm is decided it is the clipped step itself (redo) or the plain one (release), in place.
+    n = 4096
+    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    results = []
+    for held in (False, True):
+        engine = _engine()
+        u, t = _speculative_unit(engine, n)
+        engine.start_trace()
+        if held:
+            engine.hold_speculation()
+            engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.SPECULATIVE_STEP)
+            time.sleep(0.05)
+            assert not engine.ready(u)  # landed and held
+            engine.wait_norms()
+            if clips:
+                engine.redo(u, 0.5)
+        else:  # reference: the step with the gradient in place, after the norm
+            engine.copy(Direction.D2H, t[1], landing, notify_unit=u, job=Job.NORM)
+            engine.wait_norms()
+            engine.run(u, Job.SCALE_STEP, 0.5 if clips else 1.0)
+        engine.release_speculation()
+        engine.wait_all()
+        names = {name.rsplit(" u", 1)[0] for lane, name, _, _, _ in engine.stop_trace() if lane == "host step"}
+        assert not engine.swapped(u) and "speculative step" not in names, names
+        results.append([x.clone() for x in t[:4]])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_the_params_of_a_step_after_the_norm_are_ready_before_its_moments_pass_which_goes_last() -> None:
     engine = _engine()
     (low, high), _ = _engine_units(engine, [1024, 1024], "bf16")

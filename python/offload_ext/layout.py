@@ -148,13 +148,6 @@ def speculative_units(layout: Layout) -> frozenset[int]:
     return frozenset(u.index for part in layout.stacks for u in part.units)
 
 
-def hedged_units(layout: Layout) -> frozenset[int]:
-    """The units that still speculate after a step whose clipping triggered: the top three quarters of
-    each stack. Clipping tends to trigger again; a redone unit of the lowest quarter would finish its
-    wasted speculative step at the end of backward, delaying the redos the next forward waits for."""
-    return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) // 4:])
-
-
 def device_redo_units(layout: Layout, per_stack: int) -> frozenset[int]:
     """The top `per_stack` units of each stack, whose clipped redo runs on the device (offload_ext.device_redo):
     the next forward needs them last, so the host redoes the ones below from the lowest up meanwhile."""

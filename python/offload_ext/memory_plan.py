@@ -31,7 +31,7 @@ from .backends.sizes import (
 from .device_redo import REDO_SETS, redo_element_bytes, redo_piece
 from .grad_path import sums_on_device
 from .kept_layers import CHECKPOINTING, checkpointed_count
-from .layout import GroupOf, Layout, device_redo_units, hedged_units, plan_layout, speculative_units
+from .layout import GroupOf, Layout, device_redo_units, plan_layout, speculative_units
 from .step_policy import StepPolicy
 
 _GB = 1e9
@@ -58,7 +58,6 @@ class EngineChoices:
     policy: StepPolicy
     grad_slots: int | None
     speculative_units: frozenset[int]
-    hedged_units: frozenset[int]
     kept_layers: bool  # some streamed layers may run without recompute
     device_redo_units: frozenset[int] = frozenset()  # their clipped redos run on the device
 
@@ -77,7 +76,7 @@ class EngineChoices:
         """The backend's keyword arguments these choices fix."""
         return dict(grad_slots=self.grad_slots, accumulate=self.policy.accumulates,
                     grad_accum=self.policy.host_grad_accum, speculative_units=self.speculative_units,
-                    hedged_units=self.hedged_units, kept_layers=self.kept_layers,
+                    kept_layers=self.kept_layers,
                     device_redo_units=self.device_redo_units)
 
 
@@ -91,12 +90,11 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
     policy = StepPolicy(s.grad_accum, s.max_grad_norm, s.speculative_clip and s.backend == "native",
                         sums_on_device(s.accumulate_on_device, s.grad_accum, layout.parts, device, free_device))
     spec = speculative_units(layout) if policy.speculative else frozenset()
-    hedged = hedged_units(layout) if policy.speculative else frozenset()
     ckpt, n = s.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
     # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
     kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
-    redo = device_redo_units(layout, device_redo_per_stack(s, policy.speculative, n)) & hedged
-    return EngineChoices(layout, policy, s.grad_slots, spec, hedged, kept, redo)
+    redo = device_redo_units(layout, device_redo_per_stack(s, policy.speculative, n)) & spec
+    return EngineChoices(layout, policy, s.grad_slots, spec, kept, redo)
 
 
 def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> int:

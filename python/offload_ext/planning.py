@@ -360,7 +360,7 @@ def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0
          host_memory: int | str | None = None, gpu_memory: int | str | None = None,
          sr_seed: int = 0, activation_checkpointing: str | int = "all",
          gpu_memory_budget: int | None = None, activation_offload: bool = False,
-         eager_uploads: bool = True, host_nice: int = 0) -> MemoryPlan:
+         eager_uploads: bool = True, host_nice: int = 0, params_first: bool = True) -> MemoryPlan:
     """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
     those that do not change memory are checked and accepted so the same keywords can be passed), trained
     on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,

@@ -37,7 +37,7 @@ class NativeBackend(Backend):
     def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
                  pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
-                 speculative_units: frozenset[int] = frozenset(), hedged_units: frozenset[int] = frozenset(),
+                 speculative_units: frozenset[int] = frozenset(),
                  grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
                  device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, params_first: bool = True,
                  **_: Any) -> None:
@@ -45,10 +45,10 @@ class NativeBackend(Backend):
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
         # Clipping: these units (given second buffers) step as their gradients land and are redone exactly
-        # if the norm clips; the others wait for the norm. After a step that clipped, only hedged_units
-        # speculate. prepare() drops the lowest of them when host memory cannot hold their second buffers.
+        # if the norm clips; the others wait for the norm. After a step that clipped, their steps are held
+        # until the norm (begin_micro). prepare() drops the lowest of them when host memory cannot hold their
+        # second buffers.
         self._speculative_units = speculative_units
-        self._hedged_units = hedged_units & speculative_units
         self._speculating = speculative_units  # this step's
         # Clipping triggered: these units' redos run on the device (offload_ext.device_redo); plan() keeps those
         # that speculate.
@@ -120,7 +120,6 @@ class NativeBackend(Backend):
                           f"units {dropped[0]}-{dropped[-1]} wait for the norm under clipping", stacklevel=4)
         self._host_plan = fitted
         self._speculative_units = fitted.speculative_units
-        self._hedged_units &= self._speculative_units
         self._device_redo_units = fitted.device_redo_units
         self._speculating = self._speculative_units
 
@@ -240,7 +239,12 @@ class NativeBackend(Backend):
         if first:
             self._flushed.clear()
             self._device_sq.clear()
-            self._speculating = self._hedged_units if self._redone_last else self._speculative_units
+            self._speculating = self._speculative_units
+            if self._redone_last and self.speculative:
+                # Clipping tends to trigger again: no speculative step runs in backward, where it would be
+                # wasted host work. Each is held until the norm, then steps once in place, clipped or not, or is
+                # dropped for a redo on the device. Their norms are still taken on the device.
+                self._engine.hold_speculation()
 
     def device_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | float:
         # sum_squares reads a bf16 gradient once; torch's float64 path copies it to float64, squares and sums

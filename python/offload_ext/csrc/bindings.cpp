@@ -176,6 +176,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sq_norm", &Engine::sq_norm, py::arg("unit"))
       .def("wait_norms", &Engine::wait_norms, Release(), "Block until every queued norm job is done (they go first); "
            "speculative steps not yet started are held from then on, until release_speculation() or wait_all().")
+      .def("hold_speculation", &Engine::hold_speculation, "Hold every speculative step from now on, as once the norm "
+           "is known, until release_speculation() or wait_all() (after a step that clipped).")
       .def("release_speculation", &Engine::release_speculation, "The norm decided (after any redo): held "
            "speculative steps run in place as plain steps.")
       .def("redo", &Engine::redo, py::arg("unit"), py::arg("scale"),

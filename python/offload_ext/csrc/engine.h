@@ -67,6 +67,7 @@ class Engine {
   // Speculative clipping: wait for every queued norm; redo a unit's speculative step, clipped.
   void wait_norms() { scheduler_->wait_norms(); }
   void release_speculation() { scheduler_->release_speculation(); }
+  void hold_speculation() { scheduler_->hold_speculation(); }
   void redo(int unit, float scale);
   // The unit's clipped redo happens on the device: see StepScheduler::take_over.
   void take_over(int unit);

@@ -385,9 +385,11 @@ std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
 
 bool StepScheduler::held_locked(const Queued& q) const {
   // On the GPU machine a speculative step that started in the gap between the last norm and the redos
-  // delayed the whole redo chain, which the next forward waits on, by one step (B1 clipall, run 26).
-  return hold_speculation_ && norms_pending_ == 0 && q.job == Job::kSpeculativeStep && q.begin == 0 &&
-         waiters_[q.unit] == 0 && params_waiters_[q.unit] == 0;
+  // delayed the whole redo chain, which the next forward waits on, by one step (B1 clipall, run 26). After a
+  // step that clipped, every one is held from the start (hold_speculation).
+  const bool holding = hold_all_speculation_ || (hold_speculation_ && norms_pending_ == 0);
+  return holding && q.job == Job::kSpeculativeStep && q.begin == 0 && waiters_[q.unit] == 0 &&
+         params_waiters_[q.unit] == 0;
 }
 
 template <class Done>
@@ -484,8 +486,9 @@ void StepScheduler::set_slice_elements(int64_t n) {
 void StepScheduler::release_speculation() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!hold_speculation_) return;
+    if (!hold_speculation_ && !hold_all_speculation_) return;
     hold_speculation_ = false;
+    hold_all_speculation_ = false;
     for (auto it = queue_.begin(); it != queue_.end();) {
       if (it->job == Job::kSpeculativeStep && it->begin == 0) {
         it->job = Job::kScaleStep;  // it->scale is 1
@@ -500,8 +503,9 @@ void StepScheduler::release_speculation() {
 
 void StepScheduler::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (hold_speculation_) {  // everything is to be done: nothing stays held (held jobs run as they are)
-    hold_speculation_ = false;
+  if (hold_speculation_ || hold_all_speculation_) {  // everything is to be done: nothing stays held (held jobs
+    hold_speculation_ = false;                       // run as they are)
+    hold_all_speculation_ = false;
     work_cv_.notify_all();
   }
   wait_locked(lock, [&] {
@@ -516,6 +520,11 @@ void StepScheduler::wait_all() {
 void StepScheduler::check() {
   std::lock_guard<std::mutex> lock(mutex_);
   rethrow_locked();
+}
+
+void StepScheduler::hold_speculation() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  hold_all_speculation_ = true;
 }
 
 void StepScheduler::wait_norms() {

@@ -118,6 +118,11 @@ class StepScheduler {
   // The norm decided (after any redo() calls): speculative steps still held become in-place kScaleSteps
   // with scale 1 (the norm did not clip: the same step, without the second buffers' traffic).
   void release_speculation();
+  // From now on every speculative step is held as wait_norms() holds them, until release_speculation() or
+  // wait_all(): after a step that clipped, clipping tends to trigger again, and a speculative step that ran
+  // in backward would be wasted host work (its redo is on the next forward's path anyway, while a held one
+  // becomes the clipped step itself, in place, or is dropped for a redo on the device).
+  void hold_speculation();
   // Redo unit `id`'s speculative step with gradients scaled by `scale`: a kSpeculativeStep not yet
   // started becomes an in-place kScaleStep; else a kRedo is queued behind it.
   void redo(int id, float scale);
@@ -203,6 +208,7 @@ class StepScheduler {
   int64_t norms_pending_ = 0;      // announced norm jobs not yet done
   int norm_waiters_ = 0;           // callers blocked in wait_norms()
   bool hold_speculation_ = false;  // see wait_norms()
+  bool hold_all_speculation_ = false;  // see hold_speculation()
   std::vector<AdamWHyper> hypers_;  // per parameter group
   std::shared_ptr<TraceRecorder> trace_;
   mutable std::mutex mutex_;
