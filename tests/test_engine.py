@@ -285,6 +285,8 @@ def test_a_held_speculative_step_waits_for_the_norm_then_steps_once_in_place(cli
         engine.wait_all()
         names = {name.rsplit(" u", 1)[0] for lane, name, _, _, _ in engine.stop_trace() if lane == "host step"}
         assert not engine.swapped(u) and "speculative step" not in names, names
+        if held:  # clipped: params first, then the moments; released unclipped: one pass (the host is behind)
+            assert names == ({"scale + step (params)", "scale + step (moments)"} if clips else {"scale + step"})
         results.append([x.clone() for x in t[:4]])
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -908,7 +908,8 @@ def test_every_layer_speculates_and_after_a_step_that_clipped_every_step_waits_f
     assert all("norm" not in names for names in jobs.values()), jobs
     if max_grad_norm > 1:
         assert {u for u, names in jobs.items() if "speculative step" in names} - {0} == set(range(1, 8))
-        assert jobs[0] <= {"speculative step"} | after_norm, jobs[0]
+        # (a step still held when the norm did not clip runs in one pass: the host is behind)
+        assert jobs[0] <= {"speculative step", "scale + step"}, jobs[0]
         assert off.last_clip_action == "committed"
     else:
         assert all(names == after_norm for names in jobs.values()), jobs

@@ -100,10 +100,10 @@ class Offloader(torch.optim.Optimizer):
     a thread of normal priority that wakes on a CPU they hold (autograd's, launching the backward's kernels;
     the CUDA driver's callbacks) takes it from them at once, where the kernel's fair share would let it wait.
 
-    params_first: the native engine runs each host step taken after the clipping norm is known (a redo, a
-    clipped step, a speculative step held until then) as two passes: the params, which the next forward's copy
-    of the layer waits for, then the moments, behind every other layer's work. Both compute the whole update,
-    so the bits are those of one pass. False: one pass (less host memory traffic in all, a longer wait).
+    params_first: the native engine runs each host step taken after the clipping norm has clipped (a redo, a
+    clipped step) as two passes: the params, which the next forward's copy of the layer waits for, then the
+    moments, behind every other layer's work. Both compute the whole update, so the bits are those of one pass.
+    False: one pass (less host memory traffic in all, a longer wait).
     """
 
     def __init__(

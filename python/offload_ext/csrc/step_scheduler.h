@@ -137,7 +137,8 @@ class StepScheduler {
   void wait(int id, bool params_only = false);
   // Whether every announced job of unit `id` is done (no waiting); `params_only` as in wait().
   bool ready(int id, bool params_only = false) const;
-  // A step after the norm (a redo, a clipped step, a held speculative step released) runs as two passes:
+  // A step after the norm (a redo, a clipped step; not a held speculative step released unclipped: see
+  // release_speculation) runs as two passes:
   // the params first, which the next forward's copy waits for, then the moments, which go after every
   // other unit's work and only the unit's next step waits for. The params pass computes the whole update
   // but stores only the params (~0.78 of a whole pass's time on the CPU machine), so the chain of redos the
