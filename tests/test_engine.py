@@ -142,6 +142,16 @@ def test_a_job_stepped_in_slices_gives_the_same_result_as_in_one_go(precision: s
         assert torch.equal(a, b)
 
 
+def _landing(n: int) -> torch.Tensor:
+    """A gradient as a copy from the device brings it."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+
+def _job_names(events: list[tuple[str, str, int, int, int]]) -> list[tuple[str, int]]:
+    """(job name, unit) of each host-step slice on the timeline, in order."""
+    return [(name.rsplit(" u", 1)[0], unit) for lane, name, _, _, unit in events if lane == "host step"]
+
+
 def _speculative_unit(engine: Any, n: int, sr: bool = False) -> tuple[int, list[torch.Tensor]]:
     """A bf16 unit with second buffers; its gradient lands in its accum (kept for a redo), as the backend's.
     `sr`: rounded stochastically ("bf16-sr")."""
@@ -160,7 +170,7 @@ def test_a_redo_of_a_speculative_step_whose_copy_is_still_in_flight_goes_behind_
     # cover the copy's landing, or the redo would be queued (and run) before the step it redoes. With
     # stochastic rounding, the redo from the second buffers draws the clipped step's bits.
     n = 4096
-    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    landing = _landing(n)
     results = []
     for delay_us in (0, 20_000):
         engine = _engine()
@@ -240,7 +250,7 @@ def test_a_step_after_the_norm_in_two_passes_gives_the_bits_of_one(precision: st
 def test_a_redo_in_two_passes_gives_the_bits_of_one(sr: bool) -> None:
     # From the state before the speculative step (the second buffers) into the live one, in two passes.
     n = 4096
-    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    landing = _landing(n)
     results = []
     for params_first in (False, True):
         engine = _engine()
@@ -263,7 +273,7 @@ def test_a_held_speculative_step_waits_for_the_norm_then_steps_once_in_place(cli
     # hold_speculation (after a step that clipped): the speculative step queued by a landing does not run;
     # once the norm is decided it is the clipped step itself (redo) or the plain one (release), in place.
     n = 4096
-    landing = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    landing = _landing(n)
     results = []
     for held in (False, True):
         engine = _engine()
@@ -283,7 +293,7 @@ def test_a_held_speculative_step_waits_for_the_norm_then_steps_once_in_place(cli
             engine.run(u, Job.SCALE_STEP, 0.5 if clips else 1.0)
         engine.release_speculation()
         engine.wait_all()
-        names = {name.rsplit(" u", 1)[0] for lane, name, _, _, _ in engine.stop_trace() if lane == "host step"}
+        names = {name for name, _ in _job_names(engine.stop_trace())}
         assert not engine.swapped(u) and "speculative step" not in names, names
         if held:  # clipped: params first, then the moments; released unclipped: one pass (the host is behind)
             assert names == ({"scale + step (params)", "scale + step (moments)"} if clips else {"scale + step"})
@@ -303,7 +313,7 @@ def test_the_params_of_a_step_after_the_norm_are_ready_before_its_moments_pass_w
     engine.wait_unit(low, params_only=True)
     assert engine.ready(low, params_only=True) and not engine.ready(low)
     engine.wait_all()
-    order = [(name.rsplit(" u", 1)[0], unit) for lane, name, _, _, unit in engine.stop_trace() if lane == "host step"]
+    order = _job_names(engine.stop_trace())
     assert order == [("scale + step (params)", low), ("scale + step (params)", high),
                      ("scale + step (moments)", low), ("scale + step (moments)", high)]
 
@@ -320,7 +330,7 @@ def test_a_moments_pass_goes_first_when_its_unit_has_work_behind_it() -> None:
     engine.run(low, Job.SCALE_STEP, 0.5)
     engine.notify(low)  # its next step
     engine.wait_all()
-    order = [(name.rsplit(" u", 1)[0], unit) for lane, name, _, _, unit in engine.stop_trace() if lane == "host step"]
+    order = _job_names(engine.stop_trace())
     assert order == [("scale + step (params)", high), ("scale + step (params)", low), ("scale + step (moments)", low),
                      ("step", low), ("scale + step (moments)", high)]
 

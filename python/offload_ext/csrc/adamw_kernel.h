@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "adamw.h"
 #include "adamw_update.h"
@@ -203,15 +204,21 @@ inline void bf16_span_mode(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
   bf16_loop<ScalarVec, kGrad, false, kSR, kParts>(a, i, n, c);
 }
 
-// A pass in two parts is a step after the norm, never one summing micro-batches (kGradAdd).
-template <class V, int kGrad, bool kSR>
-inline void bf16_span_parts(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
-  switch (a.parts) {
-    case Parts::kParams: return bf16_span_mode<V, kGrad, kSR, kParamsPart>(a, n, c);
-    case Parts::kMoments: return bf16_span_mode<V, kGrad, kSR, kMomentsPart>(a, n, c);
+// Calls fn(std::integral_constant<int, parts>) for the pass's Parts: one instance per kind of stores. A pass in
+// two parts is a step after the norm, never one summing micro-batches (kGradAdd) or reading an fp32 gradient.
+template <class Fn>
+inline void with_parts(Parts parts, const Fn& fn) {
+  switch (parts) {
+    case Parts::kParams: return fn(std::integral_constant<int, kParamsPart>{});
+    case Parts::kMoments: return fn(std::integral_constant<int, kMomentsPart>{});
     case Parts::kAll: break;
   }
-  bf16_span_mode<V, kGrad, kSR, kAllParts>(a, n, c);
+  fn(std::integral_constant<int, kAllParts>{});
+}
+
+template <class V, int kGrad, bool kSR>
+inline void bf16_span_parts(const Bf16Pass& a, int64_t n, const AdamWCoef& c) {
+  with_parts(a.parts, [&](auto parts) { bf16_span_mode<V, kGrad, kSR, decltype(parts)::value>(a, n, c); });
 }
 
 template <class V, bool kSR>
@@ -262,15 +269,9 @@ inline void fp32_span_out(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   }
 }
 
-// As bf16_span_parts: only a bf16 gradient read as it is or scaled comes in two parts.
 template <class V, int kGrad>
 inline void fp32_span_parts(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
-  switch (a.parts) {
-    case Parts::kParams: return fp32_span_out<V, true, kGrad, kParamsPart>(a, n, c);
-    case Parts::kMoments: return fp32_span_out<V, true, kGrad, kMomentsPart>(a, n, c);
-    case Parts::kAll: break;
-  }
-  fp32_span_out<V, true, kGrad, kAllParts>(a, n, c);
+  with_parts(a.parts, [&](auto parts) { fp32_span_out<V, true, kGrad, decltype(parts)::value>(a, n, c); });
 }
 
 template <class V>
