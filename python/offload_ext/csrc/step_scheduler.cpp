@@ -124,7 +124,7 @@ void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
           "StepScheduler: unit " + std::to_string(id) + " has no second state buffers for speculative clipping"));
     }
     queue_.push_back({id, hypers_, job, scale});
-    if (job == Job::kScaleStep) split_locked(std::prev(queue_.end()));  // only a step after the norm is queued so
+    if (job == Job::kScaleStep) split_locked(std::prev(queue_.end()));  // queued so only once the norm is known
     if (then_step) queue_.push_back({id, hypers_, Job::kSpeculativeStep, 1.0f});
     if (job == Job::kSpeculativeStep) --norms_pending_;  // its copy landed: see Engine::copy
   }
@@ -444,14 +444,14 @@ void StepScheduler::set_params_first(bool on) {
   params_first_ = on;
 }
 
-std::deque<StepScheduler::Queued>::iterator StepScheduler::split_locked(std::deque<Queued>::iterator at) {
-  if (!params_first_ || at->parts != Parts::kAll) return std::next(at);
+void StepScheduler::split_locked(std::deque<Queued>::iterator at) {
+  if (!params_first_ || at->parts != Parts::kAll) return;
   at->parts = Parts::kParams;
   Queued moments = *at;
   moments.parts = Parts::kMoments;
   ++expected_[at->unit];
   ++trailing_[at->unit];
-  return std::next(queue_.insert(std::next(at), std::move(moments)));
+  queue_.insert(std::next(at), std::move(moments));
 }
 
 bool StepScheduler::has_second_buffers(int id) const {
@@ -489,11 +489,10 @@ void StepScheduler::release_speculation() {
     if (!hold_speculation_ && !hold_all_speculation_) return;
     hold_speculation_ = false;
     hold_all_speculation_ = false;
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      // One pass: a step still held when the norm did not clip is one the host had not reached in backward,
-      // so it is behind, and one pass is less work than two (B2 clip, run 84: host busy the whole step).
-      if (it->job == Job::kSpeculativeStep && it->begin == 0) it->job = Job::kScaleStep;  // it->scale is 1
-      ++it;
+    // One pass: a step still held when the norm did not clip is one the host had not reached in backward,
+    // so it is behind, and one pass is less work than two (B2 clip, run 84: host busy the whole step).
+    for (Queued& q : queue_) {
+      if (q.job == Job::kSpeculativeStep && q.begin == 0) q.job = Job::kScaleStep;  // q.scale is 1
     }
   }
   work_cv_.notify_all();

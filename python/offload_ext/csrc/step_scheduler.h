@@ -178,8 +178,8 @@ class StepScheduler {
   std::deque<Queued>::iterator pick_locked();
   bool held_locked(const Queued& q) const;  // requires mutex_
   // With params first, a step after the norm at `at` stores the params alone and its moments pass is queued
-  // right behind it (one job more expected); requires mutex_. Returns the position after both.
-  std::deque<Queued>::iterator split_locked(std::deque<Queued>::iterator at);
+  // right behind it (one job more expected); requires mutex_.
+  void split_locked(std::deque<Queued>::iterator at);
   // Unit id's last queued job when it is a speculative step no slice of which has run, else queue_.end():
   // the step redo() turns into a clipped one in place and take_over() drops; requires mutex_.
   std::deque<Queued>::iterator unstarted_speculation_locked(int id);
