@@ -30,15 +30,15 @@ PASSES = ("step", "speculative", "scale_step", "redo", "accumulate_first", "accu
 # "speculative" is the step alone, its norm taken on the device as in training without accumulation (before
 # 6ff90d0 it timed a host norm pass too: ~1.9 ms of run 31's 8.4 ms per B1 layer).
 # A step after the norm runs as a params pass and a moments pass (the engine's default), timed apart.
-TIMED = {"step": ("step",), "speculative": ("speculative step",), "accumulate_first": ("accumulate (first)",),
-         "accumulate_step": ("accumulate + step",)}
+TIMED = {"step": "step", "speculative": "speculative step", "accumulate_first": "accumulate (first)",
+         "accumulate_step": "accumulate + step"}
 AFTER_NORM = {"scale_step": "scale + step", "redo": "scale + step from before (redo)"}
 
 
 def timed(name: str, one_pass: bool) -> list[tuple[str, str]]:
     """(row label, job name prefix on the timeline) of each part a pass is timed in."""
     if name not in AFTER_NORM:
-        return [(name, TIMED[name][0])]
+        return [(name, TIMED[name])]
     if one_pass:
         return [(name, AFTER_NORM[name] + " u")]
     return [(f"{name} {part}", f"{AFTER_NORM[name]} ({part}) u") for part in ("params", "moments")]
@@ -112,11 +112,12 @@ class Units:
         self.engine.wait_unit(unit)
 
 
-def pass_times(events: list[tuple[str, str, int, int, int]], names: str) -> dict[int, float]:
-    """Per unit: ms from the start of its first host-step slice named `names`... to its last one's end."""
+def pass_times(events: list[tuple[str, str, int, int, int]], prefix: str) -> dict[int, float]:
+    """Per unit: ms from the start of its first host-step slice whose name starts with `prefix` to its last one's
+    end."""
     spans: dict[int, list[int]] = defaultdict(lambda: [1 << 62, 0])
     for lane, name, begin, end, unit in events:
-        if lane.startswith("host step") and unit >= 0 and name.startswith(names):
+        if lane.startswith("host step") and unit >= 0 and name.startswith(prefix):
             spans[unit][0] = min(spans[unit][0], begin)
             spans[unit][1] = max(spans[unit][1], end)
     return {u: (e - b) / 1e6 for u, (b, e) in spans.items()}
@@ -145,10 +146,11 @@ def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int
                 units.engine.redo(u, a.scale)
         units.engine.wait_all()
         events = units.engine.stop_trace()
+        if step < a.warmup:
+            continue
         for label, prefix in parts:
-            if step >= a.warmup:
-                for u, t in pass_times(events, prefix).items():
-                    per_unit[label][u].append(t)
+            for u, t in pass_times(events, prefix).items():
+                per_unit[label][u].append(t)
     return [summary(label, times, skew, pool, numel, a.units) for label, times in per_unit.items()]
 
 

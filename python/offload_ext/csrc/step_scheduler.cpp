@@ -506,8 +506,8 @@ void StepScheduler::wait_all() {
     work_cv_.notify_all();
   }
   wait_locked(lock, [&] {
-    for (size_t i = 0; i < units_.size(); ++i) {
-      if (stepped_[i] < expected_[i]) return false;
+    for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
+      if (!done_locked(i, false)) return false;
     }
     return true;
   });
