@@ -44,8 +44,8 @@ def extension_build():
 
     if plan.with_cuda:
         cpp_extension.CUDA_HOME = plan.cuda_home
-        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "(torch's default)")
-        _say(f"building offload_ext._C WITH CUDA ({plan.reason}); TORCH_CUDA_ARCH_LIST={archs}")
+        archs = build.choose_arch_list(torch.cuda.device_count() > 0, torch.cuda.get_arch_list(), plan.cuda_home)
+        _say(f"building offload_ext._C WITH CUDA ({plan.reason}); {archs}")
         ext_cls = cpp_extension.CUDAExtension
     else:
         _say(f"building offload_ext._C CPU-only: {plan.reason}")

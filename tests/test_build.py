@@ -30,3 +30,26 @@ def test_cuda_parts_were_compiled() -> None:
 
 def test_standalone_kernels_use_every_usable_cpu_by_default() -> None:
     assert offload_ext.ops.default_num_threads() == len(os.sched_getaffinity(0))
+
+
+def test_a_build_without_a_gpu_targets_the_architectures_torch_was_built_for(monkeypatch) -> None:
+    from offload_ext import _build
+
+    home = _build.find_cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit here")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    said = _build.choose_arch_list(False, ["sm_80", "sm_90", "compute_90"], home)
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+    assert "TORCH_CUDA_ARCH_LIST=8.0;9.0+PTX" in said and "no GPU visible" in said
+
+
+def test_a_given_arch_list_or_a_visible_gpu_is_left_to_torch(monkeypatch) -> None:
+    from offload_ext import _build
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert "from the environment" in _build.choose_arch_list(False, ["sm_80"], "/nonexistent")
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert "visible GPU" in _build.choose_arch_list(True, ["sm_80"], "/nonexistent")
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ

@@ -62,6 +62,45 @@ def find_cuda_home() -> str | None:
     return None
 
 
+def _nvcc_archs(cuda_home: str) -> set[str]:
+    """The compute capabilities this toolkit's nvcc compiles for, as "9.0"-style strings (empty if unknown)."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {f"{m[:-1]}.{m[-1]}" for m in re.findall(r"compute_(\d+)", out)}
+
+
+def default_arch_list(torch_archs: list[str], cuda_home: str) -> tuple[str, str]:
+    """(TORCH_CUDA_ARCH_LIST, why) for a build that sees no GPU and was given no list.
+
+    torch asks the visible GPU for its architecture and fails with none (a Docker build, a CPU CI machine).
+    The architectures the installed torch itself was built for are the ones the extension can run beside;
+    those this nvcc can compile, with PTX of the newest so later GPUs JIT it.
+    """
+    wanted = [f"{a[3:-1]}.{a[-1]}" for a in torch_archs if re.fullmatch(r"sm_\d+", a)]
+    known = _nvcc_archs(cuda_home)
+    archs = [a for a in wanted if not known or a in known] or ["9.0"]
+    why = "no GPU visible and TORCH_CUDA_ARCH_LIST unset: the architectures torch was built for"
+    if not wanted:
+        why = "no GPU visible and TORCH_CUDA_ARCH_LIST unset; torch names no architectures: Hopper"
+    return ";".join(archs[:-1] + [archs[-1] + "+PTX"]), why
+
+
+def choose_arch_list(gpu_visible: bool, torch_archs: list[str], cuda_home: str) -> str:
+    """Sets TORCH_CUDA_ARCH_LIST for a CUDA build when it is unset and no GPU can be asked; returns the list and
+    where it came from, for the build's one line."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if given:
+        return f"TORCH_CUDA_ARCH_LIST={given} (from the environment)"
+    if gpu_visible:
+        return "the visible GPU's architecture (TORCH_CUDA_ARCH_LIST unset)"
+    archs, why = default_arch_list(torch_archs, cuda_home)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return f"TORCH_CUDA_ARCH_LIST={archs} ({why}; set it to build for fewer)"
+
+
 @dataclass
 class BuildPlan:
     """What to compile and why; `reason` is printed by setup.py and the JIT loader."""

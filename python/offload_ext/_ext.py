@@ -21,17 +21,17 @@ def _say(msg: str) -> None:
 
 def _jit_build() -> ModuleType:
     plan = _build.plan_build(torch.version.cuda)
+    archs = ""
     if plan.with_cuda:
         os.environ["CUDA_HOME"] = plan.cuda_home  # torch.utils.cpp_extension reads it at import
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            # torch would ask the (absent) GPU for its arch; the GPU this targets is a Hopper.
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        archs = _build.choose_arch_list(torch.cuda.device_count() > 0, torch.cuda.get_arch_list(), plan.cuda_home)
     from torch.utils import cpp_extension
 
     if plan.with_cuda:
         cpp_extension.CUDA_HOME = plan.cuda_home
     kind = "with CUDA" if plan.with_cuda else "CPU-only"
-    _say(f"no ahead-of-time build found; building the extension just-in-time ({kind}: {plan.reason}). "
+    detail = f"{plan.reason}; {archs}" if plan.with_cuda else plan.reason
+    _say(f"no ahead-of-time build found; building the extension just-in-time ({kind}: {detail}). "
          "This happens once; the result is cached (TORCH_EXTENSIONS_DIR).")
     return cpp_extension.load(
         name="offload_ext_C",
