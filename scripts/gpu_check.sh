@@ -52,7 +52,7 @@ timelines() {  # timelines MODES SHAPE: one traced step of each mode, drawn (plo
   done
 }
 
-# Python packages the GPU image lacks travel as wheels in .whl/ (see README, "Benchmarks").
+# Python packages the GPU image lacks travel as wheels in .whl/ (see docs/performance.md).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
