@@ -59,6 +59,41 @@ def _all_params(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, 
             index += 1
 
 
+# torch.optim.AdamW's keywords that CPUAdamW accepts at AdamW's defaults only, so that code forwarding AdamW's
+# arguments runs unchanged; another value is refused rather than silently ignored.
+_ADAMW_ONLY_AT_DEFAULT = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+# AdamW's implementation choices: CPUAdamW always runs its fused kernel, whatever they say.
+_ADAMW_IMPLEMENTATION = ("foreach", "fused")
+
+
+def _check_adamw_keywords(kwargs: dict[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if key in _ADAMW_IMPLEMENTATION:
+            continue
+        if key not in _ADAMW_ONLY_AT_DEFAULT:
+            raise TypeError(f"CPUAdamW got an unexpected keyword argument {key!r}")
+        if bool(value) != _ADAMW_ONLY_AT_DEFAULT[key]:
+            raise ValueError(f"CPUAdamW: {key}={value!r} is not supported (only AdamW's default, "
+                             f"{key}={_ADAMW_ONLY_AT_DEFAULT[key]}); use torch.optim.AdamW for it")
+
+
+def _check_loaded_groups(groups: list[dict[str, Any]]) -> None:
+    """Refuse a state saved by an AdamW whose rule differs from CPUAdamW's (amsgrad, maximize): loading it would
+    report that rule and step by plain AdamW's."""
+    for k, group in enumerate(groups):
+        for key in ("amsgrad", "maximize"):
+            if group.get(key):
+                raise ValueError(f"CPUAdamW.load_state_dict: param group {k} was saved with {key}=True, which "
+                                 "CPUAdamW does not implement; continue it with torch.optim.AdamW")
+
+
+def _check_lr(lr: float | torch.Tensor) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
 def _check_seed(state_dict: dict[str, Any], seed: int, who: str) -> None:
     """Refuse a state whose stochastic rounding drew from another seed: its stream could not continue."""
     saved = state_dict.get("sr_seed")  # states saved before the seed was kept have none
@@ -68,7 +103,9 @@ def _check_seed(state_dict: dict[str, Any], seed: int, who: str) -> None:
 
 
 class CPUAdamW(torch.optim.Optimizer):
-    """Drop-in for torch.optim.AdamW on CPU parameters (amsgrad=False, maximize=False).
+    """Drop-in for torch.optim.AdamW on CPU parameters. AdamW's other keywords are taken at its defaults
+    (amsgrad, maximize, capturable and differentiable False; foreach and fused any value: the kernel is fused),
+    and refused otherwise.
 
     `master_weights=True` keeps an fp32 master copy and fp32 moments for bf16 parameters: the kernel
     updates the master and writes the rounded bf16 value into the parameter in the same pass.
@@ -102,9 +139,10 @@ class CPUAdamW(torch.optim.Optimizer):
         sr_seed: int = 0,
         overlap: bool = False,
         max_grad_norm: float | None = None,
+        **adamw_keywords: Any,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        _check_adamw_keywords(adamw_keywords)
+        _check_lr(lr)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not 0.0 <= betas[0] < 1.0:
@@ -183,13 +221,28 @@ class CPUAdamW(torch.optim.Optimizer):
         with self.overlap.paused():
             yield
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults, state and groups: a copy (deepcopy, pickle) would lose these
+        # settings and fail at its first step. The in-backward hooks are made again for the copy's parameters.
+        return {**super().__getstate__(), "sr_seed": self.sr_seed, "max_grad_norm": self.max_grad_norm,
+                "last_grad_norm": self.last_grad_norm, "last_clip_action": self.last_clip_action,
+                "_overlapped": self.overlap is not None}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Called by load_state_dict with the loaded state and groups only, and by unpickling with everything.
+        overlapped = state.pop("_overlapped", None)
+        super().__setstate__(state)
         # A loaded state dict's groups replace these (torch.optim.AdamW's carry neither key): what it
         # lacks keeps this optimizer's choice.
-        super().__setstate__(state)
         for group in self.param_groups:
             for key in ("master_weights", "stochastic_rounding"):
                 group.setdefault(key, self.defaults[key])
+        for name, value in (("_preserved", Preserved()), ("_sq", {}), ("_located", None), ("overlap", None)):
+            self.__dict__.setdefault(name, value)
+        if overlapped and self.overlap is None:
+            self.overlap = InBackwardSteps(self._in_backward)
+            for _, p, _ in _all_params(self.param_groups):
+                self.overlap.watch(p)
 
     @staticmethod
     def _uses_master(p: torch.Tensor, group: dict[str, Any]) -> bool:
@@ -213,6 +266,8 @@ class CPUAdamW(torch.optim.Optimizer):
         loss = _closure_loss(closure)
         done = self.overlap.take_stepped() if self.overlap is not None else set()
         stepped = list(_stepped(self.param_groups))
+        if any(p.grad.is_sparse for _, p, _ in stepped):  # refused before any parameter is stepped
+            raise RuntimeError("CPUAdamW does not support sparse gradients")
         if self.max_grad_norm is None:
             for group, p, stream in stepped:
                 if id(p) not in done:
@@ -269,7 +324,7 @@ class CPUAdamW(torch.optim.Optimizer):
             _local(state["exp_avg"]),
             _local(state["exp_avg_sq"]),
             param_out=_local(p.detach()) if master is not None else None,
-            lr=group["lr"],
+            lr=float(group["lr"]),
             beta1=group["betas"][0],
             beta2=group["betas"][1],
             eps=group["eps"],
@@ -294,6 +349,7 @@ class CPUAdamW(torch.optim.Optimizer):
             self.overlap.wait()
         if any(g["stochastic_rounding"] for g in self.param_groups):
             _check_seed(state_dict, self.sr_seed, "CPUAdamW")
+        _check_loaded_groups(state_dict["param_groups"])
         # torch casts every loaded state tensor to its parameter's dtype; master-weight states
         # must stay fp32, so they are restored from the originals afterwards.
         saved_groups = state_dict["param_groups"]
@@ -309,6 +365,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
+                if not isinstance(state["step"], torch.Tensor):  # older checkpoints keep a plain number
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 for key, value in fp32_states.get(id(p), {}).items():
                     state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 for key in _FP32_STATES:
