@@ -427,9 +427,9 @@ def test_an_injected_copy_failure_raises_once_and_leaves_nothing_pending(name: s
 def test_an_injected_step_failure_surfaces_by_the_end_of_the_step(name: str) -> None:
     backend, host = _backend(name)
     backend.fail_next_step()
-    for i in (2, 1, 0):
-        _flush(backend, host, i)
     with pytest.raises(RuntimeError, match="injected failure"):
+        for i in (2, 1, 0):  # the native one fails at the next gradient flush once the step failed
+            _flush(backend, host, i)
         backend.finish_step()  # the python backend steps here; the native one may still be stepping
         backend.settle()
     backend.close()

@@ -757,8 +757,11 @@ def test_a_copy_that_fails_to_enqueue_raises_and_leaves_nothing_waiting(backend)
     finished = threading.Event()
 
     def finish() -> None:
-        off.step()
-        off.close()  # waits for every host step the engine expects
+        # That layer's gradients never reached its step: the step is refused, never taken by half the layers.
+        with pytest.raises(RuntimeError, match="an earlier step failed .*injected copy failure"):
+            off.step()
+        with pytest.warns(RuntimeWarning, match="injected copy failure"):
+            off.close()  # waits for every host step the engine expects
         finished.set()
 
     worker = threading.Thread(target=finish, daemon=True)

@@ -71,6 +71,7 @@ class GradPath:
         self.claimed: set[int] = set()  # positions whose buffer the compute stream may write this backward
         self.first_micro, self.last_micro = True, True  # without summing: every backward copies in and sends
         self.handles: list[Any] = []  # the post-accumulate-grad hooks while registered
+        self.armed = False  # inside Offloader.backward: a gradient landing outside it came from a plain backward
 
     def begin_micro(self, first: bool, last: bool) -> None:
         """The coming backward is the first and/or the last micro-batch of its step (matters when summing).
@@ -114,6 +115,11 @@ class GradPath:
             self.claimed.add(i)
 
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
+        if not self.armed:
+            # A plain loss.backward(): no hyperparameters were set and no micro-batch begun; sending these
+            # gradients would queue host steps the engine cannot run.
+            raise RuntimeError("Offloader: gradients arrived outside off.backward(loss): call off.backward(loss) "
+                               "instead of loss.backward(); it starts the host steps of the offloaded layers")
         unit = self.part.units[i]
         view = self.views[i][s.offset]
         if p.grad.data_ptr() != view.data_ptr():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,6 +74,12 @@ class Offloader(torch.optim.Optimizer):
 
     off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
     loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
+
+    max_grad_norm: clip by the global norm as torch.nn.utils.clip_grad_norm_ does; a non-finite norm raises
+    FloatingPointError as clip_grad_norm_(error_if_nonfinite=True) does, never an unscaled step, and leaves
+    the Offloader failed (the layers that stepped speculatively keep that step): close() it and resume.
+    Any error a step ends in leaves it failed the same way: every later call raises it until close(),
+    which returns whatever failed.
 
     precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
     stochastic rounding drawn from `sr_seed`: see offload_ext.stochastic_rounding) or "mixed" (fp32 masters
@@ -167,6 +174,7 @@ class Offloader(torch.optim.Optimizer):
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
+        self._failed: str | None = None  # the error a step ended in: every later call raises it until close()
         self._timeline: Timeline | None = None
         self._policy = choices.policy
         self._hf_checkpointing = hf_checkpointing_enabled(model)
@@ -301,6 +309,9 @@ class Offloader(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Offloader: already closed; build a new Offloader to train again")
+        if self._failed is not None:
+            raise RuntimeError(f"Offloader: an earlier step failed ({self._failed}); its layers may be at "
+                               "different steps: close() it and continue from a checkpoint")
 
     def _hyper_dicts(self) -> list[dict[str, Any]]:
         return [{k: group[k] for k in HYPER_KEYS} for group in self.param_groups]
@@ -328,9 +339,18 @@ class Offloader(torch.optim.Optimizer):
         for path, ring in zip(self._grad_paths, self._rings):
             path.begin_micro(first=first, last=last)
             ring.begin_backward(last)
-        self._backend.begin_step(hypers)
-        with span(self._timeline, "python", "backward"):
-            loss.backward()
+        for path in self._grad_paths:
+            path.armed = True
+        try:
+            self._backend.begin_step(hypers)
+            with span(self._timeline, "python", "backward"):
+                loss.backward()
+        except BaseException as e:
+            self._fail(e)  # some layers' gradients may have gone to their host steps, others not
+            raise
+        finally:
+            for path in self._grad_paths:
+                path.armed = False
 
     def step(self, closure: None = None) -> None:
         """Finish the host steps of this backward, step the device parameters, prefetch layer 0.
@@ -342,8 +362,19 @@ class Offloader(torch.optim.Optimizer):
             raise ValueError("Offloader.step: closures are not supported; call backward() then step()")
         self._check_open()
         self._policy.check_step()
-        with span(self._timeline, "python", "step"):
-            self._finish_step()
+        try:
+            with span(self._timeline, "python", "step"):
+                self._finish_step()
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, error: BaseException) -> None:
+        """A step ended in `error`: some units may have stepped and others not, so nothing may train on, or be
+        saved, from here; the engine runs none of the host steps still queued."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+            self._backend.fail(self._failed)
 
     def _finish_step(self) -> None:
         self.last_step_wait = self._backend.finish_step()
@@ -439,7 +470,8 @@ class Offloader(torch.optim.Optimizer):
         is checked against this Offloader before any of it is written."""
         self._check_open()
         self._settle()
-        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=False)
+        # weights_only: a state file is data; unpickling arbitrary objects from it could run code.
+        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=True)
         self._check_small_state(state)
         read_host_state(self._host, SafetensorsCheckpoint(path, stem=_STATE_STEM))
         self._load_small_state(state)
@@ -502,30 +534,38 @@ class Offloader(torch.optim.Optimizer):
         Offloader is dropped (model_state_dict still reads them)."""
         if self._closed:
             return
-        self._settle()
-        self._backend.close()
+        # Whatever failed before (a host step, a device fault, an interrupted step), close() returns: the engine
+        # stops first, then the model is detached.
+        self._policy.end_step()
+        failure = self._backend.close() or self._failed
+        self._closed = True
         # The optimizer state goes before the weights are copied out: the copy would otherwise come on top of
         # the whole engine (qwen-14b: 113 GB at close against 84 GB through training, run 66).
         for layer in self._host:
             layer.release_state()
         self._backend.release_memory()
-        weights = model_weights(self.model, self.layout, self._host)
+        try:
+            weights = model_weights(self.model, self.layout, self._host)
+        except RuntimeError as e:  # after a device fault the device's weights cannot be read back
+            weights, failure = None, failure or str(e)
         for path in self._grad_paths:
             path.unhook()
         for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):
             unwrap_layer(layer)
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            p.data = weights[name]
-        self.model.to("cpu")
+        if weights is not None:
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                p.data = weights[name]
+            self.model.to("cpu")
         if self._hf_checkpointing:
             enable_activation_checkpointing(self.model)
-        self._closed = True
+        if failure:
+            kept = "the model holds its weights as the failure left them" if weights is not None else \
+                "the model's weights could not be read back"
+            warnings.warn(f"Offloader.close: training had failed ({failure}); {kept}: continue from a checkpoint",
+                          RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> "Offloader":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._policy.micro and exc[0] is not None:
-            self._backend.finish_step()  # drain: an exception mid-step must not leave threads writing
-            self._policy.end_step()
-        self.close()
+        self.close()  # it drains the host steps first, whatever failed

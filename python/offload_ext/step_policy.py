@@ -55,7 +55,8 @@ class StepPolicy:
 
     def check_step(self) -> None:
         if self.micro == 0:
-            raise RuntimeError("Offloader: step() without a preceding backward()")
+            raise RuntimeError("Offloader: step() without a preceding off.backward(loss); call off.backward(loss) "
+                               "(not loss.backward()) before step()")
         if self.micro != self.grad_accum:
             raise RuntimeError(f"Offloader: step() after {self.micro} backward() calls, with grad_accum="
                                f"{self.grad_accum}: every step sums exactly grad_accum micro-batches")
@@ -67,7 +68,14 @@ class StepPolicy:
             return
         on_device = backend.device_sq_norm(device_grads)  # queued first: it runs while the host norms are awaited
         sq = backend.grad_sq_norm() + float(on_device)
-        self.last_grad_norm = math.sqrt(sq)
+        self.last_grad_norm = math.sqrt(sq) if math.isfinite(sq) else sq
+        if not math.isfinite(sq):
+            # clip_grad_norm_(error_if_nonfinite=True)'s rule: an error, never a step. (min(1.0, nan) is 1.0: an
+            # unclipped step would have been committed silently.) Speculative steps taken in backward stand on
+            # their units: the Offloader stays failed until closed.
+            raise FloatingPointError(f"Offloader: the total gradient norm is {self.last_grad_norm} (a non-finite "
+                                     "gradient); the step is not applied and the Offloader is failed: close() it "
+                                     "and continue from a checkpoint, with a lower lr or a loss that stays finite")
         scale = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
         backend.clipped_step(scale)
         clipped = scale < 1.0

@@ -6,6 +6,10 @@ backends where the backend can do it, and raises NotImplementedError naming the 
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from ._ext import native
 from .backends import LayerBuffers
 from .offloader import Offloader
 
@@ -29,6 +33,24 @@ def fail_next_host_step(off: Offloader) -> None:
 def fail_next_copy(off: Offloader) -> None:
     """The next copy to enqueue raises instead ("injected copy failure")."""
     off._backend.fail_next_copy()
+
+
+def fault_next_copy(off: Offloader) -> None:
+    """The next copy faults on its stream as a device error does on a GPU (an illegal address, a device-side
+    assert): it never lands, no copy behind it does, and waits raise the fault ("simulated device faulted").
+    Simulated device (device="cpu") only."""
+    off._backend.fault_next_copy()
+
+
+@contextlib.contextmanager
+def failing_thread_starts(started: int = 1) -> Iterator[None]:
+    """Inside the block, every native engine thread pool built fails to start its worker `started` (0-based) as
+    under a container's thread limit."""
+    native().set_thread_start_failure(int(started))
+    try:
+        yield
+    finally:
+        native().set_thread_start_failure(-1)
 
 
 def pending_units(off: Offloader) -> list[int]:

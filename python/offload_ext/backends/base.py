@@ -184,6 +184,14 @@ class Backend(ABC):
         """The next copy raises while being enqueued (its message says "injected copy failure")."""
         raise NotImplementedError(f"{type(self).__name__} cannot inject a copy failure")
 
+    def fault_next_copy(self) -> None:
+        """The next copy faults on its stream as a device error would: it never lands, and every wait raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot simulate a device fault")
+
+    def fail(self, why: str) -> None:
+        """The caller found the step broken: no host step queued runs from now on (a backend that steps only
+        inside step() has none queued)."""
+
     @property
     def device_redo_units(self) -> frozenset[int]:
         """Units whose clipped redos run on the device (offload_ext.device_redo): none unless a backend does it."""
@@ -200,8 +208,9 @@ class Backend(ABC):
         """Stop recording; the events as (lane, name, begin_ns, end_ns, unit) on time.monotonic_ns()."""
         return []
 
-    def close(self) -> None:
-        pass
+    def close(self) -> str | None:
+        """Stop all work, whatever failed before; never raises. Returns the first error, if any."""
+        return None
 
     def release_memory(self) -> None:
         """After close(), once the layers let their state go (LayerBuffers.release_state): free what only

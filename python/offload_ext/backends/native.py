@@ -311,12 +311,17 @@ class NativeBackend(Backend):
         if self._keep_grads:  # so may its last step's moments pass, which the forward did not wait for
             self._engine.wait_unit(index, reason=f"u{index}'s moments pass, before its gradients land where it reads")
         slot = None if index in self._own_grads else index % self._grad_slots
-        if slot is not None:
-            owner = self._slot_owner[slot]
-            if owner is not None and owner != index:
-                # Its step still reads this slot (the wait releases the GIL).
-                reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
-                self._engine.wait_unit(owner, reason=reason)
+        owner = self._slot_owner[slot] if slot is not None else index
+        if owner is not None and owner != index:
+            # Its step still reads this slot (the wait releases the GIL).
+            reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
+            self._engine.wait_unit(owner, reason=reason)
+        elif not self._keep_grads:
+            # The unit's own last job may still read the slot: an accumulate job of the micro-batch before, when
+            # the layer stayed on the device (no load() in between waited for it). Its params are what the job
+            # reads last; a trailing moments pass reads the accumulator, not the slot.
+            self._engine.wait_unit(index, reason=f"u{index}'s last host job, before its next gradients land where "
+                                   "it reads", params_only=True)
         job = self._job(index)
         device_norm = self._device_norm(index)
         if device_norm:  # on the stream that produced src, before the copy: no host pass over it
@@ -377,6 +382,12 @@ class NativeBackend(Backend):
     def fail_next_copy(self) -> None:
         self._engine.fail_next_copy()
 
+    def fault_next_copy(self) -> None:
+        if self.device.type != "cpu":
+            raise NotImplementedError("fault_next_copy simulates a device fault on the simulated device "
+                                      "(device='cpu') only; on CUDA cause a real one (a device-side assert)")
+        self._engine.fault_next_copy()
+
     def pending_units(self) -> list[int]:
         return [i for i in range(self._count) if not self._engine.ready(i)]
 
@@ -389,11 +400,20 @@ class NativeBackend(Backend):
         redos = self._device_redo.stop_trace() if self._device_redo is not None else []
         return [tuple(e) for e in self._engine.stop_trace()] + redos
 
-    def close(self) -> None:
-        self._engine.synchronize()
-        self._engine.wait_all()
+    def close(self) -> str | None:
+        # The copy streams are checked and synchronized before the host steps are waited for: after a device
+        # fault no copy lands, and a wait for their steps would never end.
+        error = self._engine.close() or None
         if self._device_redo is not None:
-            self._device_redo.wait_all()
+            try:
+                self._device_redo.wait_all()
+            except RuntimeError as e:
+                error = error or str(e)
+        self._follow_swaps()
+        return error
+
+    def fail(self, why: str) -> None:
+        self._engine.fail(why)
 
     def release_memory(self) -> None:
         self._ring = []

@@ -341,11 +341,16 @@ class PythonBackend(Backend):
     def pending_units(self) -> list[int]:
         return []  # every host step finishes inside finish_step or clipped_step
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        error = None
         if self._arena is not None:
             if self._pin:
-                torch.cuda.synchronize(self.device)  # no copy may still use the memory being unlocked
+                try:
+                    torch.cuda.synchronize(self.device)  # no copy may still use the memory being unlocked
+                except RuntimeError as e:  # a device fault: the context is gone, and its copies with it
+                    error = str(e)
             self._arena.release()
+        return error
 
     def release_memory(self) -> None:
         self._optimizer = None  # its state holds views of the moments

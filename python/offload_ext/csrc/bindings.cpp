@@ -19,6 +19,24 @@
 
 namespace {
 
+// Between the polls of a blocked wait (which runs without the GIL): Ctrl-C raises KeyboardInterrupt there.
+void check_python_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+std::unique_ptr<offload_ext::Engine> make_engine(int device, int num_threads, bool pin_threads, int64_t slab_bytes,
+                                                 int host_nice) {
+  std::unique_ptr<offload_ext::Engine> engine;
+  {
+    // Its threads start here, and a failed start joins those already running: never with the GIL held.
+    py::gil_scoped_release nogil;
+    engine = std::make_unique<offload_ext::Engine>(device, num_threads, pin_threads, slab_bytes, host_nice);
+  }
+  engine->set_interrupt_check(check_python_signals);
+  return engine;
+}
+
 py::dict native_info() {
   py::dict info;
   info["torch_built_against"] = TORCH_VERSION;
@@ -115,6 +133,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto t = offload_ext::memory_tuning();
     return py::make_tuple(t.prefetch, t.stream_out);
   });
+  m.def("set_thread_start_failure", &offload_ext::set_thread_start_failure, py::arg("started"),
+        "Testing aid: every thread pool created from now on fails to start its worker `started` (0-based), as "
+        "under a thread limit; -1: off.");
   m.def("get_num_threads", [] { return offload_ext::global_pool()->num_threads(); });
   m.def("default_num_threads", &offload_ext::default_num_threads,
         "The kernel pool's default size: every CPU this process may run on (its affinity mask).");
@@ -139,8 +160,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Opaque to Python: handed back to Engine.compute_wait.
   py::class_<Event, std::shared_ptr<Event>>(m, "Event", "Completion of an enqueued copy.");
   py::class_<Engine>(m, "Engine", "Pinned memory, copy streams and the overlapped AdamW step scheduler.")
-      .def(py::init<int, int, bool, int64_t, int>(), py::arg("device"), py::arg("num_threads"),
-           py::arg("pin_threads"), py::arg("slab_bytes"), py::arg("host_nice") = 0)
+      .def(py::init(&make_engine), py::arg("device"), py::arg("num_threads"), py::arg("pin_threads"),
+           py::arg("slab_bytes"), py::arg("host_nice") = 0)
       .def("pinned_empty", &Engine::pinned_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_empty", &Engine::host_empty, py::arg("numel"), py::arg("dtype"))
       .def("host_zeros", &Engine::host_zeros, py::arg("numel"), py::arg("dtype"))
@@ -195,6 +216,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       }, "Stop recording; the events as (lane, name, begin_ns, end_ns, unit), on time.monotonic_ns()'s clock.")
       .def("wait_all", &Engine::wait_all, Release())
+      .def("close", &Engine::close, Release(),
+           "Shut the work down whatever failed: check and synchronize the copy streams, then wait for the host "
+           "jobs queued (skipped after a failure). Never raises; returns the first error's message, or ''.")
       .def("ready", &Engine::ready, py::arg("unit"), py::arg("params_only") = false,
            "Whether every announced job of `unit` is done (params_only: its params are final, a copy from them is "
            "safe), without waiting.")
@@ -203,6 +227,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "off: one pass.")
       .def("swapped", &Engine::swapped, py::arg("unit"),
            "Whether the unit's live state is in its second (alt) buffers: after an odd number of speculative steps.")
+      .def("fail", &Engine::fail, py::arg("why"),
+           "Fail the engine with `why`: nothing queued runs and every later call raises it, until close().")
       .def("check", &Engine::check, "Raise a failed step's error, if any, without waiting.")
       .def("set_slice_elements", &Engine::set_slice_elements, py::arg("elements"),
            "Elements a job steps before the scheduler chooses again (a lower unit may go first); results do "
@@ -210,6 +236,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("synchronize", &Engine::synchronize, Release())
       .def("stats", &step_stats)
       .def("inject_failure", &Engine::inject_failure, "Testing aid: the next job stepped fails like a kernel would.")
+      .def("fault_next_copy", &Engine::fault_next_copy,
+           "Testing aid (simulated device): the next copy faults on its stream as a device error would; it "
+           "never lands, and every wait raises the fault.")
       .def("fail_next_copy", &Engine::fail_next_copy,
            "Testing aid: the next copy raises before it is enqueued, as a failing cudaMemcpyAsync would.")
       .def("set_debug_step_delay_us", &Engine::set_debug_step_delay_us, py::arg("us"),

@@ -35,19 +35,25 @@ class HostEvent final : public Event {
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
+    if (!fault_.empty()) throw std::runtime_error(fault_);
   }
-  void set() {
+  void set() { finish({}); }
+  // Its stream failed: it never lands, and waiting for it raises `fault`.
+  void fail(const std::string& fault) { finish(fault); }
+
+ private:
+  void finish(const std::string& fault) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
+      fault_ = fault;
     }
     cv_.notify_all();
   }
-
- private:
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::string fault_;
 };
 
 // One thread per direction, running its queue in order like a stream.
@@ -59,9 +65,12 @@ class HostStream {
     size_t bytes;
     std::shared_ptr<HostEvent> done;
     CopyEngine::Callback on_done;
+    bool fault = false;  // fault_next_copy: this copy is where the simulated device fails
   };
 
-  explicit HostStream(std::atomic<int>& delay_us) : delay_us_(delay_us), thread_([this] { loop(); }) {}
+  HostStream(std::atomic<int>& delay_us, std::function<void(const CopyEngine::Callback&)> run_callback,
+             const char* name)
+      : delay_us_(delay_us), run_callback_(std::move(run_callback)), name_(name), thread_([this] { loop(); }) {}
   ~HostStream() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -75,6 +84,7 @@ class HostStream {
   void push(Job job) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (!fault_.empty()) throw std::runtime_error(fault_);  // as every CUDA call after a device fault
       jobs_.push_back(std::move(job));
       last_ = jobs_.back().done;
     }
@@ -83,6 +93,10 @@ class HostStream {
   std::shared_ptr<HostEvent> last() {
     std::lock_guard<std::mutex> lock(mutex_);
     return last_;
+  }
+  std::string fault() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fault_;
   }
 
  private:
@@ -95,17 +109,34 @@ class HostStream {
         if (jobs_.empty()) return;  // stopping, queue drained
         job = std::move(jobs_.front());
         jobs_.pop_front();
+        if (job.fault) {
+          fail_locked(job);
+          continue;
+        }
       }
       if (const int us = random_delay_us(delay_us_.load())) std::this_thread::sleep_for(std::chrono::microseconds(us));
       if (job.bytes) std::memcpy(job.dst, job.src, job.bytes);
-      if (job.on_done) job.on_done();
+      if (job.on_done) run_callback_(job.on_done);
       job.done->set();
     }
   }
 
+  // A device fault, as CUDA has it: this copy and every one queued behind it never land, and no callback
+  // runs; requires mutex_.
+  void fail_locked(Job& job) {
+    fault_ = std::string("CopyEngine: the simulated device faulted on the ") + name_ +
+             " copy stream (fault_next_copy): the copies in flight never land";
+    job.done->fail(fault_);
+    for (Job& queued : jobs_) queued.done->fail(fault_);
+    jobs_.clear();
+  }
+
   std::atomic<int>& delay_us_;
-  std::mutex mutex_;
+  const std::function<void(const CopyEngine::Callback&)> run_callback_;
+  const char* const name_;
+  std::string fault_;  // guarded by mutex_; set once the stream faulted
   std::condition_variable cv_;
+  std::mutex mutex_;
   std::deque<Job> jobs_;
   std::shared_ptr<HostEvent> last_;
   bool stopping_ = false;
@@ -115,17 +146,25 @@ class HostStream {
 class HostCopyEngine final : public CopyEngine {
  public:
   HostCopyEngine() {
-    streams_[0] = std::make_unique<HostStream>(delay_us_);
-    streams_[1] = std::make_unique<HostStream>(delay_us_);
+    auto run = [this](const Callback& cb) { run_callback(cb); };
+    streams_[0] = std::make_unique<HostStream>(delay_us_, run, "H2D");
+    streams_[1] = std::make_unique<HostStream>(delay_us_, run, "D2H");
   }
   std::shared_ptr<Event> copy(Direction dir, void* dst, const void* src, size_t bytes, uintptr_t /*compute*/,
                               Callback on_done, uintptr_t /*after*/) override {
     throw_if_failure_injected();
     auto done = std::make_shared<HostEvent>();
-    streams_[static_cast<int>(dir)]->push({dst, src, bytes, done, std::move(on_done)});
+    streams_[static_cast<int>(dir)]->push({dst, src, bytes, done, std::move(on_done), take_fault_injection()});
     return done;
   }
   void compute_wait(const Event& e, uintptr_t) override { const_cast<Event&>(e).synchronize(); }
+  void check() override {
+    rethrow_callback_error();
+    for (auto& s : streams_) {
+      const std::string fault = s->fault();
+      if (!fault.empty()) throw std::runtime_error(fault);
+    }
+  }
   void synchronize() override {
     for (auto& s : streams_) {
       if (auto last = s->last()) last->synchronize();
@@ -202,9 +241,15 @@ class CudaEvent final : public Event {
   cudaEvent_t event_;
 };
 
+// What a host callback runs: the copy engine's guard around the caller's callback.
+struct HostCallback {
+  CopyEngine::Callback on_done;
+  std::function<void(const CopyEngine::Callback&)> run;
+};
+
 void CUDART_CB run_host_callback(void* payload) {
-  std::unique_ptr<CopyEngine::Callback> cb(static_cast<CopyEngine::Callback*>(payload));
-  (*cb)();
+  std::unique_ptr<HostCallback> cb(static_cast<HostCallback*>(payload));
+  cb->run(cb->on_done);  // noexcept: an exception is kept for check()
 }
 
 void CUDART_CB sleep_host_callback(void* payload) {
@@ -234,6 +279,10 @@ class CudaCopyEngine final : public CopyEngine {
                               Callback on_done, uintptr_t after) override {
     DeviceGuard guard(device_);
     throw_if_failure_injected();
+    if (take_fault_injection()) {
+      throw std::invalid_argument("CopyEngine: fault_next_copy simulates a device fault on the simulated device only "
+                                  "(device='cpu'); on CUDA inject a real one (a device-side assert)");
+    }
     cudaStream_t s = streams_[static_cast<int>(dir)];
     if (after != 0) {
       cuda_check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(after), 0), "cudaStreamWaitEvent");
@@ -251,7 +300,8 @@ class CudaCopyEngine final : public CopyEngine {
     // The callback goes last: once it is enqueued nothing here can throw, so a copy() that throws never
     // runs on_done (see the header). The event before it marks the copy, not the callback, as done.
     if (on_done) {
-      auto payload = std::make_unique<Callback>(std::move(on_done));
+      auto payload = std::make_unique<HostCallback>(
+          HostCallback{std::move(on_done), [this](const Callback& cb) { run_callback(cb); }});
       cuda_check(cudaLaunchHostFunc(s, run_host_callback, payload.get()), "cudaLaunchHostFunc");
       payload.release();  // owned by run_host_callback from here
     }
@@ -264,7 +314,21 @@ class CudaCopyEngine final : public CopyEngine {
                "cudaStreamWaitEvent");
   }
   void synchronize() override {
+    check();  // a stream that failed never finishes its host callbacks
     for (auto& s : streams_) cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+  void check() override {
+    rethrow_callback_error();
+    const char* names[] = {"H2D", "D2H"};
+    for (int k = 0; k < 2; ++k) {
+      const cudaError_t err = cudaStreamQuery(streams_[k]);
+      if (err == cudaSuccess || err == cudaErrorNotReady) continue;
+      // After a device fault CUDA runs no host callback again: the copies in flight never land.
+      throw std::runtime_error(std::string("CopyEngine: the device reported ") + cudaGetErrorName(err) + " (" +
+                               cudaGetErrorString(err) + ") on the " + names[k] +
+                               " copy stream: the copies in flight never land and the CUDA context is unusable; "
+                               "close() the Offloader and restart the process");
+    }
   }
 
  private:
@@ -276,6 +340,20 @@ class CudaCopyEngine final : public CopyEngine {
 #endif  // OFFLOAD_EXT_WITH_CUDA
 
 }  // namespace
+
+void CopyEngine::run_callback(const Callback& on_done) noexcept {
+  try {
+    on_done();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (!callback_error_) callback_error_ = std::current_exception();
+  }
+}
+
+void CopyEngine::rethrow_callback_error() {
+  std::lock_guard<std::mutex> lock(error_mutex_);
+  if (callback_error_) std::rethrow_exception(callback_error_);
+}
 
 void CopyEngine::throw_if_failure_injected() {
   if (fail_next_.exchange(false)) throw std::runtime_error("CopyEngine: injected copy failure (fail_next_copy)");

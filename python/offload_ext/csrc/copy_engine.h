@@ -7,8 +7,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 
 namespace offload_ext {
 
@@ -39,7 +41,13 @@ class CopyEngine {
   // Make the compute stream wait for `e` (the simulated device blocks the caller instead).
   virtual void compute_wait(const Event& e, uintptr_t compute) = 0;
   // Wait for everything enqueued on both copy streams.
+  // Throws when a stream has failed, as after a device fault (CUDA then runs no host callback, so no copy in
+  // flight ever lands), or when a copy's callback threw; never blocks.
+  virtual void check() = 0;
   virtual void synchronize() = 0;
+  // Testing aid (simulated device only): the next copy faults on its stream as a device error would: it never
+  // lands, no callback runs on that stream again, and check() reports the fault from then on.
+  void fault_next_copy() { fault_next_.store(true); }
   // Testing aid: before each copy, stall its stream for a random 0..max_us microseconds (0 = off).
   void set_debug_delay_us(int max_us) { delay_us_.store(max_us); }
   // Testing aid: the next copy() throws before it enqueues anything, as a failing cudaMemcpyAsync would.
@@ -48,10 +56,18 @@ class CopyEngine {
  protected:
   // Called by copy() before it enqueues anything: throws the injected failure, once.
   void throw_if_failure_injected();
+  bool take_fault_injection() { return fault_next_.exchange(false); }
+  // Runs on_done on a copy or driver thread: an exception it throws is kept for check(), never the end of
+  // the process.
+  void run_callback(const Callback& on_done) noexcept;
+  void rethrow_callback_error();
   std::atomic<int> delay_us_{0};
 
  private:
   std::atomic<bool> fail_next_{false};
+  std::atomic<bool> fault_next_{false};
+  std::mutex error_mutex_;
+  std::exception_ptr callback_error_;  // guarded by error_mutex_
 };
 
 // device < 0: the simulated device. Otherwise a CUDA device index (needs the CUDA build).

@@ -3,6 +3,9 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -91,16 +94,26 @@ size_t Engine::next_offset() {
   return buffers_.fetch_add(1, std::memory_order_relaxed) % kTurns * kStride;
 }
 
+size_t Engine::block_bytes(const char* who, int64_t numel, at::ScalarType dtype) {
+  const auto size = static_cast<int64_t>(c10::elementSize(dtype));
+  // A tensor's byte count must fit int64 (and the pools round it up to a page): a product that wraps would
+  // hand out a small block claiming a huge tensor.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max() / 2;
+  TORCH_CHECK(numel >= 0 && numel <= kMax / size, "Engine.", who, ": expected 0 <= numel <= ", num(kMax / size),
+              " for ", dtype, " (its bytes must fit in 63 bits), got ", num(numel));
+  return static_cast<size_t>(numel * size);
+}
+
 at::Tensor Engine::pinned_empty(int64_t numel, at::ScalarType dtype) {
-  return wrap_block(pinned_->allocate(numel * c10::elementSize(dtype), false, next_offset()), numel, dtype);
+  return wrap_block(pinned_->allocate(block_bytes("pinned_empty", numel, dtype), false, next_offset()), numel, dtype);
 }
 
 at::Tensor Engine::host_empty(int64_t numel, at::ScalarType dtype) {
-  return wrap_block(host_->allocate(numel * c10::elementSize(dtype), false, next_offset()), numel, dtype);
+  return wrap_block(host_->allocate(block_bytes("host_empty", numel, dtype), false, next_offset()), numel, dtype);
 }
 
 at::Tensor Engine::host_zeros(int64_t numel, at::ScalarType dtype) {
-  return wrap_block(host_->allocate(numel * c10::elementSize(dtype), true, next_offset()), numel, dtype);
+  return wrap_block(host_->allocate(block_bytes("host_zeros", numel, dtype), true, next_offset()), numel, dtype);
 }
 
 void Engine::reserve_pinned(int64_t bytes) { pinned_->reserve(static_cast<size_t>(bytes)); }
@@ -125,7 +138,11 @@ void Engine::reserve_host_blocks(const std::vector<int64_t>& blocks) {
 }
 
 int64_t Engine::release_free_memory() {
-  synchronize();  // an unlocked slab must not be the end of a copy still running
+  try {
+    synchronize();  // an unlocked slab must not be the end of a copy still running
+  } catch (const std::exception&) {
+    // A stream that failed (a device fault) runs nothing more: no copy can still reach a slab.
+  }
   return static_cast<int64_t>(pinned_->trim() + host_->trim());
 }
 
@@ -179,8 +196,12 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
   std::optional<PendingJob> pending_step;
   if (then_step) pending_step.emplace(*scheduler_, notify_unit);
   on_done = [sched = scheduler_, notify_unit, job, then_step, traced = std::move(on_done)] {
-    if (traced) traced();
-    sched->notify(notify_unit, job, 1.0f, then_step);
+    try {
+      if (traced) traced();
+      sched->notify(notify_unit, job, 1.0f, then_step);
+    } catch (...) {  // out of memory on the copy thread: the engine fails, every wait raises it
+      sched->fail(std::current_exception());
+    }
   };
   auto event = copies_->copy(dir, dst.data_ptr(), src.data_ptr(), src.nbytes(), compute_stream(), std::move(on_done),
                              after_event);
@@ -192,11 +213,61 @@ std::shared_ptr<Event> Engine::copy(Direction dir, const at::Tensor& dst, const 
 namespace {
 // A wait shorter than this did not block (the jobs were done): it stays off the timeline.
 constexpr int64_t kBlockedNs = 2000;
+// How often a blocked wait looks at the copy streams and Python's signals.
+constexpr std::chrono::milliseconds kPoll{50};
 }  // namespace
+
+void Engine::check_copies() {
+  try {
+    copies_->check();
+  } catch (...) {
+    scheduler_->fail(std::current_exception());  // kept: every later call raises it
+    throw;
+  }
+}
+
+void Engine::fail(const std::string& why) { scheduler_->fail(std::make_exception_ptr(std::runtime_error(why))); }
+
+void Engine::check() {
+  check_copies();
+  scheduler_->check();
+}
+
+void Engine::poll(const std::function<bool(std::chrono::milliseconds)>& wait_for) {
+  while (!wait_for(kPoll)) {
+    check_copies();
+    if (interrupt_check_) interrupt_check_();
+  }
+}
+
+void Engine::synchronize() {
+  try {
+    copies_->synchronize();
+  } catch (...) {
+    scheduler_->fail(std::current_exception());
+    throw;
+  }
+}
+
+void Engine::wait_norms() {
+  poll([&](std::chrono::milliseconds t) { return scheduler_->wait_norms(t); });
+}
+
+std::string Engine::close() {
+  try {
+    check_copies();
+    synchronize();  // every callback that will ever run has run: nothing more is notified
+  } catch (...) {
+    // Failed (kept by the scheduler): the copies in flight never land; their jobs are not waited for.
+  }
+  while (!scheduler_->drain(kPoll)) {
+  }
+  return scheduler_->error_message();
+}
 
 void Engine::wait_unit(int unit, const std::string& reason, bool params_only) {
   const int64_t begin = TraceRecorder::now_ns();
-  scheduler_->wait(unit, params_only);
+  poll([&](std::chrono::milliseconds t) { return scheduler_->wait(unit, params_only, t); });
   const int64_t end = TraceRecorder::now_ns();
   if (end - begin > kBlockedNs) {
     trace_->record("wait", reason.empty() ? "wait u" + std::to_string(unit) : reason, begin, end, unit);
@@ -205,7 +276,7 @@ void Engine::wait_unit(int unit, const std::string& reason, bool params_only) {
 
 void Engine::wait_all() {
   const int64_t begin = TraceRecorder::now_ns();
-  scheduler_->wait_all();
+  poll([&](std::chrono::milliseconds t) { return scheduler_->wait_all(t); });
   const int64_t end = TraceRecorder::now_ns();
   if (end - begin > kBlockedNs) trace_->record("wait", "wait for every host step", begin, end, -1);
 }
@@ -222,7 +293,12 @@ std::vector<TraceEvent> Engine::stop_trace() {
 
 void Engine::compute_wait(const std::shared_ptr<Event>& e) {
   TORCH_CHECK(e, "Engine.compute_wait: expected an event from Engine.copy, got None");
-  copies_->compute_wait(*e, compute_stream());
+  try {
+    copies_->compute_wait(*e, compute_stream());  // the simulated device blocks here: a fault ends it
+  } catch (...) {
+    scheduler_->fail(std::current_exception());
+    throw;
+  }
 }
 
 int Engine::add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -285,12 +361,18 @@ void Engine::take_over(int unit) {
 
 void Engine::redo(int unit, float scale) {
   TORCH_CHECK(unit >= 0, "Engine.redo: expected a unit >= 0, got ", num(static_cast<int64_t>(unit)));
+  // A NaN or negative scale would commit a step no clipping rule gives; a non-finite norm is decided
+  // before any redo (see NativeBackend.clipped_step).
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0.0f, "Engine.redo: expected a finite clipping scale >= 0, got ",
+              scale);
   scheduler_->redo(unit, scale);
 }
 
 void Engine::run(int unit, Job job, float scale) {
   TORCH_CHECK(job == Job::kNorm || job == Job::kScaleStep, "Engine.run: expected Job.NORM or Job.SCALE_STEP, got ",
               num(static_cast<int64_t>(job)), "; the other jobs come with a gradient copy (Engine.copy)");
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0.0f, "Engine.run: expected a finite clipping scale >= 0, got ",
+              scale);
   PendingJob pending(*scheduler_, unit, job == Job::kNorm);
   scheduler_->notify(unit, job, scale);
   pending.commit();

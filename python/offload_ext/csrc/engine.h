@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,7 +53,8 @@ class Engine {
   std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job,
                               int trace_unit, bool then_step, uintptr_t after_event = 0);
   void compute_wait(const std::shared_ptr<Event>& e);
-  void synchronize() { copies_->synchronize(); }
+  // Waits for both copy streams; a stream's failure leaves the engine failed and is raised.
+  void synchronize();
 
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
@@ -65,7 +68,7 @@ class Engine {
   void run(int unit, Job job, float scale);
   double sq_norm(int unit) const { return scheduler_->sq_norm(unit); }
   // Speculative clipping: wait for every queued norm; redo a unit's speculative step, clipped.
-  void wait_norms() { scheduler_->wait_norms(); }
+  void wait_norms();
   void release_speculation() { scheduler_->release_speculation(); }
   void hold_speculation() { scheduler_->hold_speculation(); }
   void redo(int unit, float scale);
@@ -75,10 +78,20 @@ class Engine {
   // StepScheduler::set_params_first); on the timeline (lane "wait") as `reason` when it blocked.
   void wait_unit(int unit, const std::string& reason, bool params_only = false);
   void wait_all();
+  // Shuts the work down, whatever failed before: checks and synchronizes the copy streams first (a
+  // device fault there means no copy in flight lands), then waits for the host jobs already queued
+  // (after a failure they are skipped at once). Never raises; returns the engine's first error, or "".
+  std::string close();
   bool ready(int unit, bool params_only = false) const { return scheduler_->ready(unit, params_only); }
   void set_params_first(bool on) { scheduler_->set_params_first(on); }
   bool swapped(int unit) const { return scheduler_->swapped(unit); }
-  void check() { scheduler_->check(); }
+  // Raises the engine's failure (a host step's, a copy stream's, a callback's), if any, without waiting.
+  void check();
+  // The caller found the step broken (a non-finite norm): the engine fails with `why` as a host step's failure
+  // would; nothing queued runs, every later call raises it.
+  void fail(const std::string& why);
+  // Called between the polls of every wait (the bindings check Python's signals there: Ctrl-C); may throw.
+  void set_interrupt_check(std::function<void()> check) { interrupt_check_ = std::move(check); }
   void set_slice_elements(int64_t n) { scheduler_->set_slice_elements(n); }
   SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
   int num_threads() const { return scheduler_->pool()->num_threads(); }
@@ -92,11 +105,20 @@ class Engine {
   // Testing aids.
   void inject_failure() { scheduler_->inject_failure(); }
   void fail_next_copy() { copies_->fail_next_copy(); }
+  void fault_next_copy() { copies_->fault_next_copy(); }
   void set_debug_step_delay_us(int us) { scheduler_->set_debug_step_delay_us(us); }
   void set_debug_delay_us(int max_us) { copies_->set_debug_delay_us(max_us); }
 
  private:
   uintptr_t compute_stream() const;
+  // Calls wait_for(timeout) (true: done) until done; between the calls a copy stream's failure is raised
+  // (and kept: the engine stays failed), and interrupt_check_ runs. Copies land through host callbacks that
+  // CUDA never runs after a device fault: without the checks a wait for them would never end.
+  void poll(const std::function<bool(std::chrono::milliseconds)>& wait_for);
+  void check_copies();
+  // Bytes of `numel` elements of `dtype` for a pool block; throws naming `who` when negative or overflowing.
+  static size_t block_bytes(const char* who, int64_t numel, at::ScalarType dtype);
+  std::function<void()> interrupt_check_;
 
   const int device_;
   // Where the next buffer starts past its page boundary, in turns (see next_offset()).

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 #include <thread>
 
@@ -33,17 +34,33 @@ bool prefault_enabled() {
 }
 }  // namespace
 
-struct PinnedPool::Slab {
-  char* base = nullptr;
-  size_t bytes = 0;
-  bool registered = false;
-
-  Slab(size_t n, bool page_lock, bool touch) : bytes(n) {
+// An anonymous mapping, unmapped when it goes: a Slab whose page-locking throws leaks nothing.
+class Mapping {
+ public:
+  explicit Mapping(size_t n) : bytes_(n) {
     void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       throw std::runtime_error("PinnedPool: out of host memory allocating " + std::to_string(n) + " bytes");
     }
-    base = static_cast<char*>(p);
+    base_ = static_cast<char*>(p);
+  }
+  ~Mapping() { munmap(base_, bytes_); }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  char* base() const { return base_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t bytes_;
+};
+
+struct PinnedPool::Slab {
+  Mapping mapping;
+  char* base = nullptr;
+  size_t bytes = 0;
+  bool registered = false;
+
+  Slab(size_t n, bool page_lock, bool touch) : mapping(n), base(mapping.base()), bytes(n) {
     madvise(base, n, MADV_HUGEPAGE);  // fewer TLB misses for the AdamW streams; advisory only
     if (touch) touch_pages();
     if (page_lock) register_pages();
@@ -72,7 +89,6 @@ struct PinnedPool::Slab {
 #ifdef OFFLOAD_EXT_WITH_CUDA
     if (registered) cudaHostUnregister(base);
 #endif
-    munmap(base, bytes);
   }
 };
 
@@ -87,14 +103,19 @@ void PinnedPool::add_slabs(const std::vector<size_t>& sizes, bool touch) {
   std::vector<std::unique_ptr<Slab>> made(sizes.size());
   std::vector<std::exception_ptr> errors(sizes.size());
   std::vector<std::thread> threads;
+  auto make = [&](size_t k) {
+    try {
+      made[k] = std::make_unique<Slab>(sizes[k], page_lock_, touch);
+    } catch (...) {
+      errors[k] = std::current_exception();
+    }
+  };
   for (size_t k = 0; k < sizes.size(); ++k) {
-    threads.emplace_back([&, k] {
-      try {
-        made[k] = std::make_unique<Slab>(sizes[k], page_lock_, touch);
-      } catch (...) {
-        errors[k] = std::current_exception();
-      }
-    });
+    try {
+      threads.emplace_back(make, k);
+    } catch (const std::system_error&) {
+      make(k);  // no thread to spare: this one makes it (a joinable thread destroyed would end the process)
+    }
     if (static_cast<int>(threads.size()) >= pin_threads_) {
       for (auto& t : threads) t.join();
       threads.clear();

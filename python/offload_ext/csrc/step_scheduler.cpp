@@ -110,18 +110,16 @@ void StepScheduler::notify(int id, Job job, float scale, bool then_step) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (id < 0 || id >= static_cast<int>(units_.size())) {
-      if (!error_) {
-        error_ = std::make_exception_ptr(std::out_of_range("StepScheduler: no unit " + std::to_string(id)));
-      }
+      fail_locked(std::make_exception_ptr(std::out_of_range("StepScheduler: no unit " + std::to_string(id))));
       return;
     }
-    if ((job != Job::kStep) && units_[id].accum == nullptr && !error_) {
-      error_ = std::make_exception_ptr(std::invalid_argument(
-          "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator"));
+    if ((job != Job::kStep) && units_[id].accum == nullptr) {
+      fail_locked(std::make_exception_ptr(std::invalid_argument(
+          "StepScheduler: unit " + std::to_string(id) + " has no gradient accumulator")));
     }
-    if ((then_step || speculative(job)) && units_[id].alt_param == nullptr && !error_) {
-      error_ = std::make_exception_ptr(std::invalid_argument(
-          "StepScheduler: unit " + std::to_string(id) + " has no second state buffers for speculative clipping"));
+    if ((then_step || speculative(job)) && units_[id].alt_param == nullptr) {
+      fail_locked(std::make_exception_ptr(std::invalid_argument(
+          "StepScheduler: unit " + std::to_string(id) + " has no second state buffers for speculative clipping")));
     }
     queue_.push_back({id, hypers_, job, scale});
     if (job == Job::kScaleStep) split_locked(std::prev(queue_.end()));  // queued so only once the norm is known
@@ -276,75 +274,92 @@ void StepScheduler::loop() {
     pool_->lower_calling_thread();  // it works as one of the pool's threads
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
-    error_ = std::current_exception();  // every wait raises it; nothing is stepped
+    fail_locked(std::current_exception());  // every wait raises it; nothing is stepped
   }
   for (;;) {
-    Queued job;
-    bool skip;
-    StepUnit unit;
-    std::shared_ptr<TraceRecorder> trace;
-    std::vector<GroupRange> groups;
-    int delay_us;
-    int64_t end;
-    std::exception_ptr failure;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      auto next = queue_.end();
-      work_cv_.wait(lock, [&] { return stopping_ || (next = pick_locked()) != queue_.end(); });
-      if (next == queue_.end()) return;  // stopping, and nothing (more) may run
-      job = *next;
-      queue_.erase(next);
-      skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
-      unit = units_[job.unit];
-      groups = groups_[job.unit];
-      trace = trace_;
-      delay_us = debug_step_delay_us_;
-      // A norm is one sum in a fixed order; a skipped job is done at once.
-      end = carries_norm(job.job) || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
-      if (fail_next_ && !skip) {
-        fail_next_ = false;
-        failure = std::make_exception_ptr(std::runtime_error(
-            "StepScheduler: injected failure while stepping unit " + std::to_string(job.unit)));
-        skip = true;
+    try {
+      if (!loop_once()) return;
+    } catch (...) {
+      // Out of memory in the bookkeeping itself: the scheduler fails, every wait raises it; no abort().
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        fail_locked(std::current_exception());
+        running_ = 0;
       }
+      done_cv_.notify_all();
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!skip) {
-      if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-      const int64_t begin_ns = TraceRecorder::now_ns();
-      try {
-        run(unit, groups, job.begin, end, job);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      if (trace && trace->enabled()) {
-        const char* part = job.parts == Parts::kParams ? " (params)" : job.parts == Parts::kMoments ? " (moments)" : "";
-        trace->record("host step", std::string(job_name(job.job)) + part + " u" + std::to_string(job.unit), begin_ns,
-                      TraceRecorder::now_ns(), job.unit);
-      }
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure && !error_) error_ = failure;
-      if (!skip) stats_.busy_seconds += seconds;
-      if (end < unit.numel && !error_) {
-        // The rest goes back at the front: this unit's later jobs stay behind it.
-        job.begin = end;
-        queue_.push_front(job);
-        continue;
-      }
-      ++stepped_[job.unit];
-      if (job.parts == Parts::kMoments) --trailing_[job.unit];
-      if (carries_norm(job.job)) --norms_pending_;
-      if (job.job == Job::kSpeculativeStep && !skip) {
-        swap_state(units_[job.unit]);
-        swapped_[job.unit] = !swapped_[job.unit];
-      }
-      if (!skip && job.parts != Parts::kMoments) ++stats_.units_stepped;
-    }
-    done_cv_.notify_all();
   }
+}
+
+bool StepScheduler::loop_once() {
+  Queued job;
+  bool skip;
+  StepUnit unit;
+  std::shared_ptr<TraceRecorder> trace;
+  std::vector<GroupRange> groups;
+  int delay_us;
+  int64_t end;
+  std::exception_ptr failure;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto next = queue_.end();
+    work_cv_.wait(lock, [&] { return stopping_ || (next = pick_locked()) != queue_.end(); });
+    if (next == queue_.end()) return false;  // stopping, and nothing (more) may run
+    job = *next;
+    queue_.erase(next);
+    ++running_;
+    skip = static_cast<bool>(error_);  // after a failure, state is suspect: stop stepping
+    unit = units_[job.unit];
+    groups = groups_[job.unit];
+    trace = trace_;
+    delay_us = debug_step_delay_us_;
+    // A norm is one sum in a fixed order; a skipped job is done at once.
+    end = carries_norm(job.job) || skip ? unit.numel : std::min(unit.numel, job.begin + slice_);
+    if (fail_next_ && !skip) {
+      fail_next_ = false;
+      failure = std::make_exception_ptr(std::runtime_error(
+          "StepScheduler: injected failure while stepping unit " + std::to_string(job.unit)));
+      skip = true;
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!skip) {
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    const int64_t begin_ns = TraceRecorder::now_ns();
+    try {
+      run(unit, groups, job.begin, end, job);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (trace && trace->enabled()) {
+      const char* part = job.parts == Parts::kParams ? " (params)" : job.parts == Parts::kMoments ? " (moments)" : "";
+      trace->record("host step", std::string(job_name(job.job)) + part + " u" + std::to_string(job.unit), begin_ns,
+                    TraceRecorder::now_ns(), job.unit);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --running_;
+    if (failure) fail_locked(failure);
+    if (!skip) stats_.busy_seconds += seconds;
+    if (end < unit.numel && !error_) {
+      // The rest goes back at the front: this unit's later jobs stay behind it.
+      job.begin = end;
+      queue_.push_front(job);
+      return true;
+    }
+    ++stepped_[job.unit];
+    if (job.parts == Parts::kMoments) --trailing_[job.unit];
+    if (carries_norm(job.job)) --norms_pending_;
+    if (job.job == Job::kSpeculativeStep && !skip) {
+      swap_state(units_[job.unit]);
+      swapped_[job.unit] = !swapped_[job.unit];
+    }
+    if (!skip && job.parts != Parts::kMoments) ++stats_.units_stepped;
+  }
+  done_cv_.notify_all();
+  return true;
 }
 
 std::deque<StepScheduler::Queued>::iterator StepScheduler::pick_locked() {
@@ -387,17 +402,19 @@ bool StepScheduler::held_locked(const Queued& q) const {
   // On the GPU machine a speculative step that started in the gap between the last norm and the redos
   // delayed the whole redo chain, which the next forward waits on, by one step (B1 clipall, run 26). After a
   // step that clipped, every one is held from the start (hold_speculation).
-  const bool holding = hold_all_speculation_ || (hold_speculation_ && norms_pending_ == 0);
+  // After a failure every job is skipped at once: nothing is held.
+  const bool holding = !error_ && (hold_all_speculation_ || (hold_speculation_ && norms_pending_ == 0));
   return holding && q.job == Job::kSpeculativeStep && q.begin == 0 && waiters_[q.unit] == 0 &&
          params_waiters_[q.unit] == 0;
 }
 
 template <class Done>
-void StepScheduler::wait_locked(std::unique_lock<std::mutex>& lock, Done done) {
-  if (done()) return;
+bool StepScheduler::wait_locked(std::unique_lock<std::mutex>& lock, Done done, std::chrono::milliseconds timeout) {
+  if (done() || error_) return true;
   const auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(lock, done);
+  const bool ended = done_cv_.wait_for(lock, timeout, [&] { return done() || error_ != nullptr; });
   stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return ended;
 }
 
 void StepScheduler::check_unit_locked(int id) const {
@@ -407,17 +424,39 @@ void StepScheduler::check_unit_locked(int id) const {
 }
 
 void StepScheduler::rethrow_locked() {
-  if (error_) {
-    std::exception_ptr e = error_;
-    error_ = nullptr;
-    std::rethrow_exception(e);
+  // Kept: a unit stepped after a failure would leave the layers at different steps.
+  if (error_) std::rethrow_exception(error_);
+}
+
+void StepScheduler::fail_locked(std::exception_ptr error) {
+  if (!error_) error_ = std::move(error);
+}
+
+void StepScheduler::fail(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fail_locked(std::move(error));
+  }
+  work_cv_.notify_all();  // queued jobs are skipped from now on
+  done_cv_.notify_all();  // every wait raises it
+}
+
+std::string StepScheduler::error_message() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!error_) return {};
+  try {
+    std::rethrow_exception(error_);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
   }
 }
 
-void StepScheduler::wait(int id, bool params_only) {
+bool StepScheduler::wait(int id, bool params_only, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_unit_locked(id);
-  wait_unit_locked(lock, id, params_only);
+  return wait_unit_locked(lock, id, params_only, timeout);
 }
 
 bool StepScheduler::done_locked(int id, bool params_only) const {
@@ -426,17 +465,17 @@ bool StepScheduler::done_locked(int id, bool params_only) const {
   return stepped_[id] + (params_only ? trailing_[id] : 0) >= expected_[id];
 }
 
-void StepScheduler::wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only) {
-  if (done_locked(id, params_only)) {
-    rethrow_locked();
-    return;
-  }
+bool StepScheduler::wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only,
+                                     std::chrono::milliseconds timeout) {
+  rethrow_locked();
+  if (done_locked(id, params_only)) return true;
   std::vector<int>& waiters = params_only ? params_waiters_ : waiters_;
   ++waiters[id];
   work_cv_.notify_all();  // a held job of this unit may run now, and its jobs go first
-  wait_locked(lock, [&] { return done_locked(id, params_only); });
+  const bool ended = wait_locked(lock, [&] { return done_locked(id, params_only); }, timeout);
   --waiters[id];
   rethrow_locked();
+  return ended;
 }
 
 void StepScheduler::set_params_first(bool on) {
@@ -498,20 +537,31 @@ void StepScheduler::release_speculation() {
   work_cv_.notify_all();
 }
 
-void StepScheduler::wait_all() {
-  std::unique_lock<std::mutex> lock(mutex_);
+void StepScheduler::release_holds_locked() {
   if (hold_speculation_ || hold_all_speculation_) {  // everything is to be done: nothing stays held (held jobs
     hold_speculation_ = false;                       // run as they are)
     hold_all_speculation_ = false;
     work_cv_.notify_all();
   }
-  wait_locked(lock, [&] {
+}
+
+bool StepScheduler::wait_all(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  release_holds_locked();
+  const bool ended = wait_locked(lock, [&] {
     for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
       if (!done_locked(i, false)) return false;
     }
     return true;
-  });
+  }, timeout);
   rethrow_locked();
+  return ended;
+}
+
+bool StepScheduler::drain(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  release_holds_locked();
+  return done_cv_.wait_for(lock, timeout, [&] { return queue_.empty() && running_ == 0; });
 }
 
 void StepScheduler::check() {
@@ -524,13 +574,15 @@ void StepScheduler::hold_speculation() {
   hold_all_speculation_ = true;
 }
 
-void StepScheduler::wait_norms() {
+bool StepScheduler::wait_norms(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   hold_speculation_ = true;
   ++norm_waiters_;
-  wait_locked(lock, [&] { return norms_pending_ == 0 || error_ != nullptr; });
+  work_cv_.notify_all();  // norms go first from now on
+  const bool ended = wait_locked(lock, [&] { return norms_pending_ == 0; }, timeout);
   --norm_waiters_;
   rethrow_locked();
+  return ended;
 }
 
 std::deque<StepScheduler::Queued>::iterator StepScheduler::unstarted_speculation_locked(int id) {
@@ -575,7 +627,9 @@ void StepScheduler::take_over(int id) {
     swapped_[id] = !swapped_[id];
     done_cv_.notify_all();
   }
-  wait_unit_locked(lock, id);
+  // A started speculative step: a host job, which ends (or fails, which ends the wait too).
+  while (!wait_unit_locked(lock, id, false, std::chrono::hours(1))) {
+  }
 }
 
 double StepScheduler::sq_norm(int id) const {

@@ -4,9 +4,11 @@
 // A unit's job advances in slices, so a unit the next forward needs sooner can go ahead of one
 // already started (the top layer, whose gradients land first, is needed last).
 // Notifications may come from any thread (a CUDA host callback included); waits block without the
-// GIL (the bindings release it); a failed step is kept and rethrown to the next caller.
+// GIL (the bindings release it); a failed step leaves the scheduler failed: every later wait or check
+// rethrows that first error and no later job runs, for the scheduler's life (its Offloader is closed).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -14,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -114,7 +117,8 @@ class StepScheduler {
   // announced has landed (its norm taken on the device); meanwhile norms go first. From then
   // on the norm is known and a speculative step started would be wasted or could be done in place: none
   // not yet started starts (unless a caller waits on its unit) until release_speculation() or wait_all().
-  void wait_norms();
+  // Returns false when `timeout` passed first (the caller checks the copy streams and calls again).
+  bool wait_norms(std::chrono::milliseconds timeout);
   // The norm decided (after any redo() calls): speculative steps still held become in-place kScaleSteps
   // with scale 1 (the norm did not clip: the same step, without the second buffers' traffic).
   void release_speculation();
@@ -134,7 +138,8 @@ class StepScheduler {
   // Block until unit `id` (or every notified unit) has been stepped; rethrows a step's failure.
   // While someone waits on a unit, its queued jobs go before all others. `params_only`: until its params
   // are final, a moments pass behind them (see set_params_first) may still be queued or running.
-  void wait(int id, bool params_only = false);
+  // Returns false when `timeout` passed first.
+  bool wait(int id, bool params_only, std::chrono::milliseconds timeout);
   // Whether every announced job of unit `id` is done (no waiting); `params_only` as in wait().
   bool ready(int id, bool params_only = false) const;
   // A step after the norm (a redo, a clipped step; not a held speculative step released unclipped: see
@@ -149,9 +154,18 @@ class StepScheduler {
   bool has_second_buffers(int id) const;
   // Whether unit `id`'s live state is in its second buffers (an odd number of speculative steps so far).
   bool swapped(int id) const;
-  void wait_all();
-  // Rethrows a pending failure without waiting.
+  // Returns false when `timeout` passed first.
+  bool wait_all(std::chrono::milliseconds timeout);
+  // Once nothing more will be notified (the copy streams synchronized or failed): releases held jobs and
+  // blocks until no job is queued or running, without raising (after a failure the rest are skipped
+  // at once). Returns false when `timeout` passed first.
+  bool drain(std::chrono::milliseconds timeout);
+  // Rethrows the failure, if any, without waiting; it stays.
   void check();
+  // Enters the failed state with `error` unless already failed (a copy stream's fault, a callback's error).
+  void fail(std::exception_ptr error);
+  // The first failure's message, or empty.
+  std::string error_message() const;
   // Where each slice of a job is recorded while the recorder is enabled (null: nowhere).
   void set_trace(std::shared_ptr<TraceRecorder> trace);
   // Testing aid: the next unit stepped fails as a real kernel failure would.
@@ -174,6 +188,8 @@ class StepScheduler {
     Parts parts = Parts::kAll;
   };
   void loop();
+  // Takes one job (or slice) and runs it; false once stopping with nothing left to run.
+  bool loop_once();
   // The job to run next, or queue_.end() when none may run now (all held); requires mutex_.
   std::deque<Queued>::iterator pick_locked();
   bool held_locked(const Queued& q) const;  // requires mutex_
@@ -186,13 +202,17 @@ class StepScheduler {
   // The job's work on elements [begin, end) of `unit`; its AdamW pass split by the unit's group ranges.
   void run(const StepUnit& unit, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
            const Queued& job);
-  void rethrow_locked();
+  void rethrow_locked();  // requires mutex_
+  void release_holds_locked();  // requires mutex_: see wait_all()
   void check_unit_locked(int id) const;  // requires mutex_; throws std::out_of_range for an unknown unit
   // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
+  // Returns done() (false: `timeout` passed first); a failure ends the wait too.
   template <class Done>
-  void wait_locked(std::unique_lock<std::mutex>& lock, Done done);
+  bool wait_locked(std::unique_lock<std::mutex>& lock, Done done, std::chrono::milliseconds timeout);
   // wait(id)'s blocking part (id checked): its jobs go first meanwhile; rethrows a step's failure.
-  void wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only = false);
+  bool wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only,
+                        std::chrono::milliseconds timeout);
+  void fail_locked(std::exception_ptr error);  // requires mutex_
   bool done_locked(int id, bool params_only) const;  // see ready(); requires mutex_
 
   std::shared_ptr<ThreadPool> pool_;
@@ -216,6 +236,7 @@ class StepScheduler {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<Queued> queue_;
+  int running_ = 0;  // jobs taken off queue_ and not yet accounted (see drain())
   std::exception_ptr error_;
   SchedulerStats stats_;
   bool stopping_ = false;

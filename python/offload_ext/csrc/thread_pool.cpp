@@ -12,8 +12,15 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 namespace offload_ext {
+
+namespace {
+std::atomic<int> g_failing_start{-1};  // see set_thread_start_failure()
+}  // namespace
+
+void set_thread_start_failure(int started) { g_failing_start.store(started); }
 
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, int nice) : cpus_(std::move(cpus)), nice_(nice) {
   if (num_threads < 1) {
@@ -25,17 +32,31 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, int nice) : cpus_
   }
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
-    workers_.emplace_back([this, i] { worker_main(i); });
+    try {
+      if (i == g_failing_start.load()) throw std::system_error(EAGAIN, std::generic_category(), "injected");
+      workers_.emplace_back([this, i] { worker_main(i); });
+    } catch (const std::system_error& e) {
+      // The destructor does not run for a constructor that throws: the workers started must be joined
+      // here, or destroying them (joinable) ends the process and the condition variable's waiters hang.
+      stop_workers();
+      throw std::runtime_error("ThreadPool: could not start worker thread " + std::to_string(i + 1) + " of " +
+                               std::to_string(num_threads - 1) + " (" + e.what() +
+                               "): the process is out of threads (a container's pids limit, ulimit -u) or memory; "
+                               "ask for fewer threads (num_threads=)");
+    }
   }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   work_cv_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ThreadPool::run_tasks() {

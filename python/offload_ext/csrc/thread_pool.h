@@ -20,6 +20,8 @@ class ThreadPool {
   // `cpus`, when not empty, pins worker k to cpus[k % cpus.size()].
   // `nice` (0-19), when above 0, is the workers' niceness: a thread of normal priority that wakes on a CPU
   // they hold (the one launching GPU work, the CUDA driver's callbacks) takes it from them at once.
+  // Throws std::runtime_error, with every worker already started joined again, when a thread cannot start
+  // (a container's thread limit).
   explicit ThreadPool(int num_threads, std::vector<int> cpus = {}, int nice = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -38,6 +40,7 @@ class ThreadPool {
  private:
   void worker_main(int index);
   void run_tasks();
+  void stop_workers();  // wakes every worker to return and joins it
 
   std::vector<std::thread> workers_;
   std::vector<int> cpus_;
@@ -56,6 +59,10 @@ class ThreadPool {
   std::exception_ptr error_;
   std::exception_ptr start_error_;  // a worker that could not take its niceness: every parallel_for raises it
 };
+
+// Testing aid: from now on, every pool created fails to start its worker `started` (0-based) as under a
+// thread limit (-1: off).
+void set_thread_start_failure(int started);
 
 // Usable CPUs of this process (its affinity mask), in order.
 std::vector<int> allowed_cpus();
