@@ -32,13 +32,14 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="0.4b")
     ap.add_argument("--dir", default=None, help="where the checkpoint is (written there when absent)")
-    ap.add_argument("--vias", default="engine,transformers")
+    ap.add_argument("--vias", default="engine,scratch,transformers",
+                    help="engine: streamed; scratch: the same config drawn fresh; transformers: loaded, then offloaded")
     ap.add_argument("--precisions", default="bf16")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--step", default=None, help="BATCHxSEQ: one training step after each load")
     ap.add_argument("--train-steps", type=int, default=0,
-                    help="also run offload-train --pretrained for this many steps on the checkpoint (batch 1 x 128) "
-                         "under /usr/bin/time -v: the whole run's peak RSS")
+                    help="also run offload-train --pretrained and --from-scratch for this many steps on the checkpoint "
+                         "(batch 1 x 128) under /usr/bin/time -v: each whole run's peak RSS")
     ap.add_argument("--stem", default=None)
     return ap.parse_args()
 
@@ -51,14 +52,14 @@ def config(preset: str) -> LlamaConfig:
                        max_position_embeddings=8192, rope_theta=500000.0, use_cache=False)
 
 
-def offload_train_peak(path: str, device: str, steps: int) -> dict[str, float]:
-    """offload-train --pretrained on the checkpoint (a small tokenizer trained into it first, once): the
-    whole run's wall time and peak RSS as /usr/bin/time -v reports them."""
+def offload_train_peak(path: str, device: str, steps: int, mode: str = "--pretrained") -> dict[str, float]:
+    """offload-train `mode` (--pretrained or --from-scratch) on the checkpoint (a small tokenizer trained into
+    it first, once): the whole run's wall time and peak RSS as /usr/bin/time -v reports them."""
     from offload_ext import data
 
     data.train_tokenizer(data.stdlib_corpus(max_bytes=1 << 20), 1024, os.path.join(path, "tokenizer.json"))
-    out = os.path.join(path, "offload_train_run")
-    cmd = ["/usr/bin/time", "-v", "offload-train", "--out", out, "--model", path, "--pretrained", "--device",
+    out = os.path.join(path, "offload_train_run" + mode.replace("-", "_"))
+    cmd = ["/usr/bin/time", "-v", "offload-train", "--out", out, "--overwrite", "--model", path, mode, "--device",
            "cpu-sim" if device == "cpu" else device, "--backend", "native", "--steps", str(steps), "--batch-size", "1",
            "--seq-len", "128"]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OFFLOAD_TRAIN_NO_BAR": "1"},
@@ -93,10 +94,10 @@ def main() -> None:
                     f"{growth:.2f}x |")
             print(line, flush=True)
             md.append(line)
-    if a.train_steps:
-        r = offload_train_peak(path, a.device, a.train_steps)
-        rows.append({"via": "offload-train", **r})
-        line = (f"| offload-train, {a.train_steps} steps | bf16 | - | - | {r['wall_s']:.1f} | "
+    for mode in ("--pretrained", "--from-scratch") if a.train_steps else ():
+        r = offload_train_peak(path, a.device, a.train_steps, mode)
+        rows.append({"via": f"offload-train {mode}", **r})
+        line = (f"| offload-train {mode}, {a.train_steps} steps | bf16 | - | - | {r['wall_s']:.1f} | "
                 f"{r['peak_rss'] / gb:.2f} | - | - | - |")
         print(line, flush=True)
         md.append(line)

@@ -48,15 +48,34 @@ def _read_header(path: str) -> dict[str, TensorEntry]:
         if size > 100 << 20:
             raise ValueError(f"{path}: not a safetensors file (header of {size} bytes)")
         header = json.loads(f.read(size))
+        file_bytes = os.fstat(f.fileno()).st_size
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         if meta["dtype"] not in _DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; expected one of {', '.join(_DTYPES)}")
-        begin, end = meta["data_offsets"]
-        entries[name] = TensorEntry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + size + begin, end - begin)
+        entries[name] = _entry(path, name, meta, 8 + size, file_bytes)
     return entries
+
+
+def _entry(path: str, name: str, meta: dict, data_start: int, file_bytes: int) -> TensorEntry:
+    """A header's entry, its byte range checked against its shape and the file: a crafted or damaged header
+    must not make a read land outside the tensor it names (or a buffer be sized from a lie)."""
+    dtype = _DTYPES[meta["dtype"]]
+    shape = meta["shape"]
+    offsets = meta["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise ValueError(f"{path}: tensor {name!r} has a malformed header entry (shape {shape!r}, data_offsets "
+                         f"{offsets!r}); the file is damaged: write or download it again")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end or end - begin != nbytes or data_start + end > file_bytes:
+        raise ValueError(f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data ({nbytes} expected for "
+                         f"{meta['dtype']} {shape}; the file holds {file_bytes - data_start}); the file is damaged "
+                         "or truncated: write or download it again")
+    return TensorEntry(path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
 def checkpoint_files(path: str, stem: str = "model") -> list[str]:

@@ -3,7 +3,7 @@
 and reports its peak resident memory, its resident memory before the load, the engine's own state and
 the times; and a writer of random safetensors checkpoints of any config to load.
 
-    python -m offload_ext.load_probe DIR [--via engine|transformers] [--precision bf16|bf16-sr|mixed]
+    python -m offload_ext.load_probe DIR [--via engine|scratch|transformers] [--precision bf16|bf16-sr|mixed]
         [--device cpu|cuda] [--step BATCHxSEQ]
 """
 from __future__ import annotations
@@ -78,6 +78,9 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
     if via == "engine":
         off = Offloader.from_pretrained(path, precision=precision, device=device)
         model = off.model
+    elif via == "scratch":  # the same model drawn by its init rule: what the load is measured against
+        off = Offloader.from_config(transformers.AutoConfig.from_pretrained(path), precision=precision, device=device)
+        model = off.model
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **{dtype_keyword(): torch.bfloat16})
         off = Offloader(model, precision=precision, device=device)
@@ -105,7 +108,9 @@ def _child(path: str, via: str, precision: str, device: str, step: str | None) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
-    ap.add_argument("--via", choices=("engine", "transformers"), default="engine")
+    ap.add_argument("--via", choices=("engine", "scratch", "transformers"), default="engine",
+                    help="engine: streamed from the checkpoint; scratch: its config drawn fresh; transformers: "
+                         "from_pretrained, then offloaded")
     ap.add_argument("--precision", choices=("bf16", "bf16-sr", "mixed"), default="bf16")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the simulated device")
     ap.add_argument("--step", default=None, help="BATCHxSEQ: run one training step of that shape after the load")

@@ -121,7 +121,15 @@ def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers],
         if include is None or include(name):
             # copy=True: on the simulated device .cpu() would hand out the live tensor itself.
             out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
-    for name, buf in model.named_buffers():
+    for name, buf in persistent_buffers(model):
         if include is None or include(name):
             out[name] = buf.detach().to("cpu", copy=True)
     return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers state_dict() has: a non-persistent one (rotary frequencies, computed at construction)
+    would make model.load_state_dict(weights) fail in strict mode."""
+    return [(f"{prefix}.{name}" if prefix else name, buf) for prefix, module in model.named_modules()
+            for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set]
