@@ -56,6 +56,32 @@ def embedded_entry(max_bytes: int, vocab_size: int) -> str:
     return "stdlib-" + hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
+END_OF_TEXT = "<|endoftext|>"  # the embedded tokenizer's one special token, id 0: its bos, eos, unk and pad
+
+
+def hf_tokenizer(tok: Any) -> Any:
+    """The embedded corpus's BPE as transformers' tokenizer, with its special tokens named as GPT-2's are
+    (bos = eos = unk = <|endoftext|>) and pad set to it too, so that padding works as an HF user expects:
+    save_pretrained writes them into tokenizer_config.json, and AutoTokenizer gives them back."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
+                                   unk_token=END_OF_TEXT, pad_token=END_OF_TEXT)
+
+
+def special_tokens_of(tokenizer_file: str) -> dict[str, str]:
+    """The special-token arguments for a bare tokenizer.json (it names its special tokens but not their
+    roles): <|endoftext|> in every role when the file has it (the embedded tokenizer's and GPT-2's
+    convention), none otherwise."""
+    import json
+
+    with open(tokenizer_file, encoding="utf-8") as f:
+        added = json.load(f).get("added_tokens") or []
+    if any(t.get("content") == END_OF_TEXT and t.get("special") for t in added):
+        return {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT, "pad_token": END_OF_TEXT}
+    return {}
+
+
 def train_tokenizer(texts: list[str] | None, vocab_size: int, path: str):
     """A byte-level BPE trained on `texts`, saved to `path` (and reused from there when present: `texts` may
     be None then)."""
@@ -68,7 +94,7 @@ def train_tokenizer(texts: list[str] | None, vocab_size: int, path: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -144,6 +170,21 @@ def load_texts(dataset: str, split: str, text_field: str, streaming: bool) -> An
         import datasets
     except ImportError as exc:
         raise RuntimeError("--dataset needs the `datasets` package: pip install datasets") from exc
+    try:
+        ds, columns = _open_dataset(datasets, dataset, split, streaming)
+    except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--dataset {dataset}: could not be read ({first}); pass a local data file or directory, "
+                         "or a dataset id the hub (or its cache, with HF_HUB_OFFLINE=1) has") from exc
+    if columns is None:
+        raise ValueError(f"--dataset {dataset}: split {split!r} has no rows; pass a dataset with text in it")
+    if text_field not in columns:
+        raise ValueError(f"--text-field {text_field!r} is not a column of {dataset}; its columns are {columns}")
+    return (row[text_field] for row in ds)
+
+
+def _open_dataset(datasets: Any, dataset: str, split: str, streaming: bool) -> tuple[Any, list[str] | None]:
+    """The dataset and its columns (None: it has no rows)."""
     if os.path.isfile(dataset):
         ext = os.path.splitext(dataset)[1].lstrip(".")
         kind = {"txt": "text", "jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
@@ -152,7 +193,7 @@ def load_texts(dataset: str, split: str, text_field: str, streaming: bool) -> An
         ds = datasets.load_dataset(kind, data_files=dataset, split=split, streaming=streaming)
     else:
         ds = datasets.load_dataset(dataset, split=split, streaming=streaming)
-    columns = ds.column_names if not streaming else list(next(iter(ds)).keys())
-    if text_field not in (columns or []):
-        raise ValueError(f"--text-field {text_field!r} is not a column of {dataset}; its columns are {columns}")
-    return (row[text_field] for row in ds)
+    if not streaming:
+        return ds, (ds.column_names if len(ds) else None)
+    first = next(iter(ds), None)  # a stream says its columns only with its first row
+    return ds, (list(first) if first is not None else None)

@@ -134,7 +134,9 @@ class FsdpTrainer:
         dist.all_reduce(mean)
         return float(mean[0]) / dist.get_world_size()
 
-    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> None:
+    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
+        """The checkpoint in --out/checkpoint/, written in place (without run_dir's step directories and
+        manifest: a kill mid-save can tear it); its path."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
@@ -156,6 +158,7 @@ class FsdpTrainer:
             torch.save(state, tmp)
             os.replace(tmp, os.path.join(ckpt, "trainer_state.pt"))
         dist.barrier()
+        return ckpt
 
     def load(self, stream: data_mod.TokenStream) -> int:
         import torch.distributed.checkpoint as dcp

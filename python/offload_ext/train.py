@@ -11,19 +11,23 @@ import contextlib
 import json
 import os
 import random
+import shlex
+import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from . import data as data_mod
+from . import run_dir
 from .gpu_warmup import GpuWarmup
 from .lora import add_lora
 from .losses import BACKENDS
 from .planning import MemoryPlan, plan
 from .timeline import Timeline
+from .train_inputs import check_inputs, check_numbers
 from .train_setup import (
     BUILTIN,
     UsageError,
@@ -36,7 +40,7 @@ from .train_setup import (
     planned_vocab,
     resolve_device,
 )
-from .trainer import Trainer, offloader_kwargs
+from .trainer import Trainer, offloader_kwargs, run_flags
 from .weights import from_config_empty
 
 
@@ -45,24 +49,33 @@ def _checkpointing(value: str) -> str | int:
     return int(value) if value.isdigit() else value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as offload-train's: one line and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (offload-train --help lists the options)\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="offload-train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line, each numeric flag in its range (a UsageError otherwise)."""
+    ap = _Parser(prog="offload-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="auto",
                     help=f"built-in config ({', '.join(BUILTIN)}; auto = small on a GPU, tiny on a CPU), "
                          "a local directory, or a hub id")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--from-scratch", dest="pretrained", action="store_false",
-                   help="random init from the model's config (default for built-in configs)")
-    g.add_argument("--pretrained", dest="pretrained", action="store_true", help="load the model's weights")
+                   help="random init from the model's config (default for built-in configs and a directory "
+                        "without weights)")
+    g.add_argument("--pretrained", dest="pretrained", action="store_true",
+                   help="load the model's weights (default for a directory with weights, or a hub id)")
     ap.set_defaults(pretrained=None)
     ap.add_argument("--dataset", default=data_mod.EMBEDDED,
                     help="'stdlib' (embedded), a datasets hub id, a local dataset directory or a data file")
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--split", default="train")
     ap.add_argument("--streaming", action="store_true")
-    ap.add_argument("--tokenizer", default=None, help="HF tokenizer (hub id or directory); default: the model's, "
-                                                      "or one trained on the embedded corpus")
+    ap.add_argument("--tokenizer", default=None, help="HF tokenizer (hub id, directory or tokenizer.json file); "
+                                                      "default: the model's, or one trained on the embedded corpus")
     ap.add_argument("--batch-size", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 on a GPU, 64 on a CPU")
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -91,8 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="clip by the global gradient norm (native offload: host steps run speculatively during "
                          "backward and are redone exactly when the norm clips; metrics log 'clip')")
-    ap.add_argument("--backend", choices=["none", "python", "native"], default="native",
-                    help="none = no offload (the model and optimizer on the device)")
+    ap.add_argument("--backend", choices=["none", "python", "native"], default=None,
+                    help="none = no offload (the model and optimizer on the device); default native, or none where "
+                         "it trains on the CPU (no CUDA device, or --device cpu)")
     ap.add_argument("--precision", choices=["bf16", "bf16-sr", "mixed"], default="bf16",
                     help="bf16 params and moments; bf16-sr: the same, params and exp_avg_sq stored by stochastic "
                          "rounding (seeded by --seed); mixed: fp32 masters and moments on the host")
@@ -129,8 +143,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="under torchrun: FSDP2 over the ranks (CPU offload on GPUs), CPUAdamW stepping each shard in "
                          "backward, each rank its own batches, checkpoints gathered on rank 0")
     ap.add_argument("--out", default="runs/offload-train")
-    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                    help="continue the run in --out from its newest complete checkpoint, verified against its "
+                         "manifest (a torn one is refused), or from the step directory given (e.g. the previous "
+                         "one, --out/checkpoints/step-000010); the flags that shape the run (model, batch, "
+                         "layout, precision, schedule: --steps too, which the cosine schedule spans) must be the "
+                         "checkpoint's")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the run --out already holds (its metrics and checkpoints); without it or "
+                         "--resume, such an --out is refused")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="checkpoint every N steps (always at the end), each into --out/checkpoints/step-N/ "
+                         "(from_pretrained loads it; --out/latest points at the newest complete one)")
+    ap.add_argument("--keep-checkpoints", type=int, default=2,
+                    help="complete checkpoints kept; older ones are deleted once a newer one is whole")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop (with a checkpoint) after this many steps of this invocation; the lr schedule "
                          "still spans --steps, and --resume continues (for preemptible jobs)")
@@ -139,7 +165,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace", action="store_true",
                     help="write a torch.profiler trace (trace.json) and, with offload, the engine's timeline "
                          "(timeline.json; benchmarks/plot_timeline.py draws it) of steps 4-6 to --out")
-    return ap.parse_args(argv)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error on the inputs")
+    args = ap.parse_args(argv)
+    check_numbers(args)
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,15 +178,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--gpu-memory and --host-memory describe the machine a plan is for: use them with --dry-run")
     entered = time.perf_counter()
     began = entered - seconds_since_process_start()  # metrics' elapsed_s: the interpreter and set-up count
+    _check_out(args)
     device, simulated = resolve_device(args)
     if args.fsdp:
         return _run_fsdp(args, device, simulated, began, entered)
-    on_gpu = device.type == "cuda"
-    if args.device == "auto" and not on_gpu and args.backend != "none":
-        print("offload-train: no CUDA device: training on the CPU without offload (--backend none)", flush=True)
-        args.backend = "none"
+    on_gpu = device.type == "cuda"  # args.backend resolved by resolve_device: none on the CPU unless simulated
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
+    resume_from = _resume_point(args)
     if args.backend == "native":
         from . import _ext
 
@@ -185,12 +213,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(str(exc)) from exc
     marks.append(("engine", time.perf_counter()))
     _print_setup(marks, trainer)
-    start = trainer.load(stream) if args.resume else 0
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if not args.resume and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    start = trainer.load(stream, resume_from) if resume_from is not None else 0
+    metrics_path = os.path.join(args.out, run_dir.METRICS)
+    if resume_from is not None:
+        run_dir.trim_metrics(args.out, start)  # the steps after the checkpoint are trained (and logged) again
+    else:
+        run_dir.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """Refuse, before anything is allocated or written, an --out that holds a run unless --resume or
+    --overwrite says what to do with it, and a --resume with nothing to continue."""
+    if args.resume is not None and args.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
+                         "--overwrite replaces it; pass one")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    held = run_dir.existing_run(args.out)
+    if held is not None and args.resume is None and not args.overwrite:
+        raise UsageError(f"--out {args.out} already holds a run ({held}): continue it with --resume, or replace "
+                         "it with --overwrite (or pick another --out)")
+
+
+def _resume_point(args: argparse.Namespace) -> run_dir.Checkpoint | None:
+    """The verified checkpoint --resume continues from (None without --resume), its flags checked against
+    this run's: before the model or the engine is built."""
+    if args.resume is None:
+        return None
+    try:
+        ckpt = run_dir.find(args.out, args.resume)
+        run_dir.check_flags(ckpt, run_flags(args))
+    except run_dir.CheckpointError as exc:
+        raise UsageError(str(exc)) from exc
+    return ckpt
 
 
 def _seed_and_data(args: argparse.Namespace, began: float,
@@ -292,6 +349,7 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
     engine); a plan that does not fit raises UsageError with its refusal."""
     if args.backend == "none":
         raise UsageError("--dry-run plans the offload engine's memory: use --backend native or python")
+    args.backend = args.backend or "native"
     device = _planned_device(args)
     apply_defaults(args, device.type == "cuda")
     check_loss_chunk(args)
@@ -337,6 +395,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     lead = dist_rank() == 0
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
+    saved = None
     with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
             if args.trace and trainer.off is not None and k == _TRACED[0]:
@@ -371,14 +430,20 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
                     row["kept_layers"] = trainer.off.kept_layers  # layers per stack run without recompute
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+                run_dir.boundary("metrics", step + 1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")
             if args.save_every and (step + 1) % args.save_every == 0:
-                trainer.save(step + 1, stream, tokenizer)
+                saved = trainer.save(step + 1, stream, tokenizer)
+                run_dir.boundary("saved", step + 1)
     timeline.close()
     if profiler is not None:
         profiler.stop()
     _write_timeline(traced, args.out)
-    trainer.save(end, stream, tokenizer)
+    if end > start and not (args.save_every and end % args.save_every == 0):  # not saved by the loop already
+        saved = trainer.save(end, stream, tokenizer)
+    elif saved is None:  # a resume with no step left: its checkpoint stays the run's last
+        complete = run_dir.complete_checkpoints(args.out)
+        saved = complete[-1][1] if complete else os.path.join(args.out, run_dir.LEGACY)  # --fsdp's, in place
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
                "final_loss": losses[-1] if losses else None, "tokens_per_s": float(np.median(steady)),
@@ -386,7 +451,7 @@ def _loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step
     if lead:
         print(f"offload-train: done {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
               f"{summary['tokens_per_s']:,.0f} tok/s (median), GPU peak {summary['gpu_peak_gb']:.2f} GB, "
-              f"checkpoint in {os.path.join(args.out, 'checkpoint')}", flush=True)
+              f"checkpoint in {saved}", flush=True)
     return summary
 
 
@@ -408,7 +473,12 @@ def _write_timeline(traced: list[Timeline], out: str) -> None:
 def _profiler(args: argparse.Namespace):
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if not cuda and "KINETO_LOG_LEVEL" not in os.environ:
+        # Kineto asks for GPUs even when only CPU activity is recorded, and prints "ERROR ... gpuGetDeviceCount
+        # failed" where there are none; level 5 keeps its log quiet (it reads the variable when it starts).
+        os.environ["KINETO_LOG_LEVEL"] = "5"
     trace = os.path.join(args.out, "trace.json")
     p = profile(activities=activities, schedule=schedule(wait=2, warmup=1, active=3, repeat=1),
                 on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
@@ -425,14 +495,60 @@ def _allocator_settings(args: argparse.Namespace) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
+    """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
+    complete = run_dir.complete_checkpoints(args.out)
+    legacy = os.path.join(args.out, run_dir.LEGACY)
+    if complete:
+        last = "last complete checkpoint: step {} ({})".format(*complete[-1])
+    elif args.fsdp and os.path.isdir(legacy):  # --fsdp writes its checkpoint in place
+        last = f"last checkpoint: {legacy}"
+    else:
+        return (f"offload-train: interrupted before the first complete checkpoint; nothing to resume in {args.out}: "
+                "start again with --overwrite")
+    kept = [a for k, a in enumerate(argv) if not _is_resume_or_overwrite(argv, k)]
+    command = shlex.join(["offload-train", *kept, "--resume"])
+    return f"offload-train: interrupted; {last}; continue with: {command}"
+
+
+def _is_resume_or_overwrite(argv: list[str], k: int) -> bool:
+    """Whether argv[k] is --overwrite, --resume or --resume's value (the continuing command has its own)."""
+    a = argv[k]
+    if a in ("--overwrite", "--resume") or a.startswith("--resume="):
+        return True
+    return k > 0 and argv[k - 1] == "--resume" and not a.startswith("-")
+
+
+def _refuse(exc: UsageError, debug: bool) -> NoReturn:
+    """A bad input's one line and exit status 2; with --debug, the traceback instead."""
+    if debug:
+        raise exc
+    print(f"offload-train: error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as exc:
+        _refuse(exc, debug="--debug" in (sys.argv[1:] if argv is None else argv))
+    # Most inputs are checked before --out is made; what only the data or the model can tell (a tokenizer that
+    # does not load, a sequence longer than the model's positions, a plan that does not fit) comes after the
+    # corpus's tokenizer is written there: an --out this invocation made is then removed with its refusal.
+    fresh_out = not os.path.lexists(args.out)
     _allocator_settings(args)
     try:
+        check_inputs(args)
         run(args)
     except UsageError as exc:
-        print(f"offload-train: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        if fresh_out and run_dir.existing_run(args.out) is None:  # never a run's metrics or checkpoints
+            shutil.rmtree(args.out, ignore_errors=True)
+        _refuse(exc, args.debug)
+    except KeyboardInterrupt:
+        # No traceback: a checkpoint being written when the key came stays a .partial directory, never read.
+        print("\n" + interrupted_message(args, sys.argv[1:] if argv is None else list(argv)), file=sys.stderr,
+              flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

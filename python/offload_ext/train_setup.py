@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -32,16 +33,59 @@ class UsageError(Exception):
     """Bad input: printed without a traceback, with the fix."""
 
 
+_DEVICES = "cuda, cuda:N, cpu, cpu-sim (the offload engine on the simulated device) or auto"
+
+
 def resolve_device(args: argparse.Namespace) -> tuple[torch.device, bool]:
-    """(device, simulated)."""
-    if args.device == "auto":
+    """(device, simulated), and args.backend resolved for it (see resolve_backend)."""
+    device, simulated = _device(args.device)
+    args.backend = resolve_backend(args, device, simulated)
+    return device, simulated
+
+
+def _device(name: str) -> tuple[torch.device, bool]:
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), False
-    if args.device == "cpu-sim":
+    if name == "cpu-sim":
         return torch.device("cpu"), True
-    dev = torch.device(args.device)
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {name}: not a device; expected {_DEVICES}") from exc
+    if dev.type not in ("cuda", "cpu"):
+        raise UsageError(f"--device {name}: offload-train runs on CUDA or the CPU; expected {_DEVICES}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu or cpu-sim")
+        raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu or cpu-sim")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev, False
+
+
+def resolve_backend(args: argparse.Namespace, device: torch.device, simulated: bool) -> str:
+    """--backend as given, or its default: native, except where the run is on the CPU and not simulated
+    (--device cpu, or auto without CUDA), which trains without offload and says so. An explicit offload
+    backend on the CPU is refused with the fix: offload there needs the simulated device."""
+    on_cpu = device.type == "cpu" and not simulated
+    if args.fsdp:  # FSDP2's own CPU offload; --device cpu runs gloo ranks
+        return args.backend or "native"
+    if args.backend is None:
+        if not on_cpu:
+            return "native"
+        why = "--device cpu" if args.device != "auto" else "no CUDA device"
+        print(f"offload-train: {why}: training on the CPU without offload (--backend none); --device cpu-sim runs "
+              "the offload engine on the CPU", flush=True)
+        return "none"
+    if simulated and args.backend == "none":
+        raise UsageError("--device cpu-sim runs the offload engine: pick --backend native or python, or --device cpu "
+                         "to train on the CPU without offload")
+    if on_cpu and args.backend != "none":
+        given = f"--backend {args.backend}" + (f" --device {args.device}" if args.device != "auto" else "")
+        where = "" if args.device != "auto" else "there is no CUDA device here, and "
+        raise UsageError(f"{given}: {where}the offload engine needs a CUDA device or the simulated one; use "
+                         "--device cpu-sim to run it on the CPU, or leave --backend out to train on the CPU "
+                         "without offload")
+    return args.backend
 
 
 def apply_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
@@ -59,14 +103,38 @@ def apply_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def _has_any(directory: str, names: tuple[str, ...]) -> bool:
+    return any(os.path.exists(os.path.join(directory, f)) for f in names)
+
+
+def wants_pretrained(args: argparse.Namespace) -> bool:
+    """--pretrained / --from-scratch as given; else what --model says: a built-in config is drawn fresh, a
+    model directory with weights (or a hub id) is fine-tuned from them, a directory with a config alone is
+    drawn fresh."""
+    if args.pretrained is not None:
+        return args.pretrained
+    if args.model in BUILTIN or args.model == "auto":
+        return False
+    if os.path.isdir(args.model):
+        return _has_any(args.model, _WEIGHT_FILES)
+    return True
+
+
 def _load_tokenizer(name: str, from_flag: str) -> Any:
-    """AutoTokenizer.from_pretrained(name), with the fix named when `name` holds no tokenizer."""
-    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+    """AutoTokenizer.from_pretrained(name) (a tokenizer.json file through PreTrainedTokenizerFast), with the
+    fix named when `name` holds no tokenizer."""
+    if os.path.isdir(name) and not _has_any(name, _TOKENIZER_FILES):
         raise UsageError(f"{from_flag} {name}: the directory has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
                          "pass one with --tokenizer NAME_OR_DIR")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
+        if os.path.isfile(name):  # AutoTokenizer takes directories and hub ids only
+            return PreTrainedTokenizerFast(tokenizer_file=name, **data_mod.special_tokens_of(name))
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -78,8 +146,13 @@ _NEEDS_TOKENIZER = "--dataset other than 'stdlib' needs --tokenizer (or a pretra
 
 
 def _tokenizer_name(args: argparse.Namespace) -> str | None:
-    """The HF tokenizer the run uses (None: one trained on the embedded corpus)."""
-    return args.tokenizer or (args.model if args.model not in BUILTIN and args.pretrained else None)
+    """The HF tokenizer the run uses (None: one trained on the embedded corpus): --tokenizer, else the
+    model's own (a pretrained one's always; one drawn fresh from a directory's config when it has one)."""
+    if args.tokenizer or args.model in BUILTIN or args.model == "auto":
+        return args.tokenizer
+    if wants_pretrained(args) or (os.path.isdir(args.model) and _has_any(args.model, _TOKENIZER_FILES)):
+        return args.model
+    return None
 
 
 def _hf_tokenizer(args: argparse.Namespace) -> Any | None:
@@ -89,7 +162,16 @@ def _hf_tokenizer(args: argparse.Namespace) -> Any | None:
 
 
 def _embedded_vocab(args: argparse.Namespace) -> int:
-    return BUILTIN.get(args.model, BUILTIN["small"])[6]
+    """The size the embedded corpus's tokenizer is trained to: a built-in's, or at most a model directory's
+    embedding (a smaller model is never resized to fit the tokenizer)."""
+    if args.model in BUILTIN:
+        return BUILTIN[args.model][6]
+    vocab = BUILTIN["small"][6]
+    config = os.path.join(args.model, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            vocab = min(vocab, int(json.load(f).get("vocab_size") or vocab))
+    return vocab
 
 
 def build_tokenizer(args: argparse.Namespace, texts: Callable[[], list[str]] | None):
@@ -106,8 +188,9 @@ def build_tokenizer(args: argparse.Namespace, texts: Callable[[], list[str]] | N
     vocab = _embedded_vocab(args)
     path = os.path.join(args.out, "tokenizer.json")
     tok = data_mod.train_tokenizer(None if os.path.exists(path) else texts(), vocab, path)
-    eos = tok.token_to_id("<|endoftext|>")
-    return (lambda ts: [e.ids for e in tok.encode_batch(ts)]), eos, tok.get_vocab_size(), tok
+    eos = tok.token_to_id(data_mod.END_OF_TEXT)
+    # Encoded by the bare BPE (the same ids); saved as transformers' tokenizer, with its special tokens.
+    return (lambda ts: [e.ids for e in tok.encode_batch(ts)]), eos, tok.get_vocab_size(), data_mod.hf_tokenizer(tok)
 
 
 def bf16_llama(cfg: Any) -> torch.nn.Module:
@@ -135,31 +218,53 @@ def planned_vocab(args: argparse.Namespace) -> int:
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
-    """The transformers config of --model: a built-in's, or the directory's or hub id's (with room for the
-    tokenizer's ids when training from scratch)."""
+    """The transformers config of --model: a built-in's (sized for the tokenizer), or the directory's or hub
+    id's as it is, refused when the tokenizer has ids past its embedding. LoRA is refused on a base drawn
+    at random."""
     from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
+    pretrained = wants_pretrained(args)
+    if args.lora_r is not None and not pretrained:
+        raise UsageError(f"--lora-r: the base model would be drawn at random ({_fresh(args)}) and is never saved, so "
+                         "the adapters would be trained on noise and useless; fine-tune a model with weights (--model "
+                         "DIR or a hub id, with --pretrained), or leave --lora-r out to train the whole model")
     if args.model in BUILTIN:
-        if args.pretrained:
+        if pretrained:
             raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch")
         hidden, layers, heads, kv, inter, tied, _, model_vocab = BUILTIN[args.model]
         qwen = args.model in _QWEN2
         return (Qwen2Config if qwen else LlamaConfig)(
             vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
-            max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False)
+            max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False,
+            **_special_ids(args))
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {args.model!r} is not a built-in config ({', '.join(BUILTIN)}), a local model "
                          f"directory, or a reachable hub id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
                          ) from exc
-    if args.pretrained and cfg.vocab_size < vocab_size:
-        raise UsageError(f"the tokenizer has {vocab_size} tokens but {args.model} only {cfg.vocab_size}; "
-                         "use the model's own tokenizer (--tokenizer)")
-    if not args.pretrained:
-        cfg.vocab_size = max(cfg.vocab_size, vocab_size)  # from scratch: make room for the tokenizer's ids
+    if cfg.vocab_size < vocab_size:  # never resized: the run would not be the model the directory describes
+        raise UsageError(f"--model {args.model}: the tokenizer has {vocab_size} tokens, more than the model's "
+                         f"embedding of {cfg.vocab_size} (vocab_size in its config.json); pass the model's own "
+                         f"tokenizer or one of at most {cfg.vocab_size} tokens with --tokenizer, or raise vocab_size "
+                         "in a copy of the config to train from scratch")
     return cfg
+
+
+def _special_ids(args: argparse.Namespace) -> dict[str, int]:
+    """A built-in model's bos/eos ids: the embedded tokenizer's <|endoftext|> (id 0, its first token), so
+    that generate() stops where the tokenizer ends a text (the configs' defaults, 1 and 2, are ordinary
+    tokens there). pad_token_id stays unset: as the embedding's padding_idx it would freeze that row."""
+    if _tokenizer_name(args) is not None:
+        return {}
+    return {"bos_token_id": 0, "eos_token_id": 0}
+
+
+def _fresh(args: argparse.Namespace) -> str:
+    if args.model in BUILTIN or args.model == "auto":
+        return f"--model {args.model} is a built-in config"
+    return "--from-scratch" if args.pretrained is False else f"--model {args.model} has no weights"
 
 
 def build_model(args: argparse.Namespace, vocab_size: int,
@@ -175,7 +280,7 @@ def build_model(args: argparse.Namespace, vocab_size: int,
         if args.backend != "none":  # built on the meta device, drawn layer by layer into the engine
             return from_config_empty(cfg, seed=args.seed, device=device)
         return bf16_llama(cfg), None
-    if args.pretrained:
+    if wants_pretrained(args):
         if args.backend != "none":
             try:
                 return from_pretrained_empty(args.model)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from . import run_dir
 from .backends.sizes import parse_size
 from .layers import enable_activation_checkpointing
 from .lora import is_adapter
@@ -120,9 +121,8 @@ class Trainer:
         elif self.device.type == "cuda":
             self.opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=True)
         else:
-            from .optim import CPUAdamW
+            from .optim import CPUAdamW  # resolve_device has said that this run trains on the CPU without offload
 
-            print("offload-train: no CUDA device: training on the CPU without offload, with CPUAdamW", flush=True)
             self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed",
                                 stochastic_rounding=a.precision == "bf16-sr", sr_seed=a.seed)
 
@@ -170,24 +170,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> None:
-        ckpt = os.path.join(self.args.out, "checkpoint")
-        os.makedirs(ckpt, exist_ok=True)
+    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
+        """Checkpoint `step` as one unit (offload_ext.run_dir): written into a fresh step directory, sealed by
+        its manifest; the path of the complete checkpoint."""
+        ckpt = run_dir.begin(self.args.out, step)
         weights = None
         if self.off is not None and self.args.lora_r is not None:  # the adapter alone, as peft saves it
             self.model.save_pretrained(ckpt, state_dict=self.off.model_state_dict(include=is_adapter))
-            self.off.save_state(ckpt)
         elif self.off is not None:
             self.off.save_pretrained(ckpt)  # from the host buffers, a tensor at a time
-            self.off.save_state(ckpt)       # likewise: no copy of the engine's buffers in memory
         else:
             weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             # save_pretrained consumes the dict it is given; the trainer state keeps its own.
             self.model.save_pretrained(ckpt, state_dict=dict(weights), safe_serialization=True)
+        run_dir.boundary("weights", step)
+        if self.off is not None:
+            self.off.save_state(ckpt)  # likewise: no copy of the engine's buffers in memory
+        run_dir.boundary("engine", step)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(ckpt)
         else:
             tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
+        run_dir.boundary("tokenizer", step)
         state = {
             "step": step,
             "data": stream.state(),
@@ -199,23 +203,21 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "args": vars(self.args),
         }
-        tmp = os.path.join(ckpt, "trainer_state.pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(ckpt, "trainer_state.pt"))  # a crash mid-save keeps the old state
+        torch.save(state, os.path.join(ckpt, "trainer_state.pt"))
+        run_dir.boundary("trainer_state", step)
+        return run_dir.commit(self.args.out, ckpt, step, run_flags(self.args), self.args.keep_checkpoints)
 
-    def load(self, stream: data_mod.TokenStream) -> int:
-        path = os.path.join(self.args.out, "checkpoint", "trainer_state.pt")
-        if not os.path.exists(path):
-            raise UsageError(f"--resume: no checkpoint at {path}; run without --resume first")
+    def load(self, stream: data_mod.TokenStream, ckpt: run_dir.Checkpoint) -> int:
+        """Continue from `ckpt` (verified by run_dir.find, its flags checked): the step it ends."""
+        path = os.path.join(ckpt.path, "trainer_state.pt")
         state = torch.load(path, weights_only=False)
-        for key in ("backend", "precision", "model", "batch_size", "seq_len"):
-            if state["args"][key] != getattr(self.args, key):
-                raise UsageError(f"--resume: the checkpoint was made with --{key.replace('_', '-')} "
-                                 f"{state['args'][key]}, this run has {getattr(self.args, key)}")
+        if state["step"] != ckpt.step:  # every part of a checkpoint names one step
+            raise UsageError(f"--resume: torn checkpoint: {path} is of step {state['step']}, its manifest of step "
+                             f"{ckpt.step}")
         if self.off is not None and state["engine"] is not None:  # made before save_state existed
             self.off.load_state_dict(state["engine"])
         elif self.off is not None:
-            self.off.load_state(os.path.dirname(path))
+            self.off.load_state(ckpt.path)
         else:
             self.model.load_state_dict({k: v.to(self.device) for k, v in state["model"].items()}, strict=False)
             self.opt.load_state_dict(state["optimizer"])
@@ -227,3 +229,11 @@ class Trainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         return int(state["step"])
+
+
+def run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags a resume must repeat, as set-up resolved them (before data and model set-up could add to
+    `args`): recorded in each checkpoint's manifest and checked by --resume."""
+    if getattr(args, "run_flags", None) is None:
+        args.run_flags = {k: getattr(args, k, None) for k in run_dir.RESUME_FLAGS}
+    return args.run_flags

@@ -1,0 +1,206 @@
+"""offload-train's checkpoints are whole or refused: a crash at any write boundary of a save resumes exactly
+like the run without one, a torn checkpoint is refused naming its file, a run is never overwritten unasked,
+Ctrl-C says how to continue, and a resume with other flags names the one that differs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from offload_ext import run_dir, train
+
+RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
+       "--save-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _no_progress_bar(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_TRAIN_NO_BAR", "1")
+
+
+def _losses(out) -> list[tuple[int, float]]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[tuple[int, float]]:
+    """The losses of the run without a crash."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    os.environ["OFFLOAD_TRAIN_NO_BAR"] = "1"
+    train.run(train.parse_args(["--out", str(out), *RUN]))
+    return _losses(out)
+
+
+class _Killed(BaseException):
+    """Stands for the process's death at a boundary: nothing after it runs (no handler catches it)."""
+
+
+def _crash_at(monkeypatch, name: str, step: int) -> None:
+    def hook(at: str, at_step: int) -> None:
+        if (at, at_step) == (name, step):
+            raise _Killed(name)
+    monkeypatch.setattr(run_dir, "crash_hook", hook)
+
+
+def _snapshot(out) -> dict[str, float]:
+    return {os.path.join(d, n): os.stat(os.path.join(d, n), follow_symlinks=False).st_mtime_ns
+            for d, dirs, names in os.walk(out) for n in names + dirs}
+
+
+def _exits_2(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# Every commit point of a save, step 3's (the first with an older checkpoint to delete): a crash there
+# leaves either step 2's checkpoint or step 3's complete, and the resumed run trains what is left exactly.
+@pytest.mark.parametrize("boundary", run_dir.BOUNDARIES + ("saved",))
+def test_a_crash_at_every_write_boundary_resumes_exactly_like_the_uninterrupted_run(tmp_path, monkeypatch, straight,
+                                                                                   boundary) -> None:
+    out = str(tmp_path / "run")
+    _crash_at(monkeypatch, boundary, 3)
+    with pytest.raises(_Killed):
+        train.run(train.parse_args(["--out", out, *RUN]))
+    monkeypatch.setattr(run_dir, "crash_hook", None)
+    resumed_from = run_dir.find(out, "latest").step
+    assert resumed_from == (3 if boundary in ("renamed", "linked", "pruned", "saved") else 2)
+    train.run(train.parse_args(["--out", out, *RUN, "--resume"]))
+    assert _losses(out) == straight  # each step once: the rows after the checkpoint trimmed and trained again
+    assert [s for s, _ in run_dir.complete_checkpoints(out)] == [3, 4]  # --keep-checkpoints 2
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-000003", "step-000004"]  # no leftovers
+
+
+def test_a_sigkill_in_the_middle_of_a_save_resumes_exactly(tmp_path, straight) -> None:
+    out = str(tmp_path / "run")
+    env = dict(os.environ, OFFLOAD_TRAIN_KILL_AT="engine:3")  # weights of step 3 written, its engine state not
+    proc = subprocess.run([sys.executable, "-m", "offload_ext.train", "--out", out, *RUN], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step-000003.partial"))
+    train.run(train.parse_args(["--out", out, *RUN, "--resume"]))
+    assert _losses(out) == straight
+
+
+def test_a_torn_checkpoint_is_refused_naming_the_file_and_the_previous_one_resumes(tmp_path, capsys,
+                                                                                  straight) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "3"]))
+    step2, step3 = (p for _, p in run_dir.complete_checkpoints(out))
+    torn = os.path.join(step3, "model.safetensors")
+    size = os.path.getsize(torn)
+    os.truncate(torn, size // 2)  # a write cut short
+    capsys.readouterr()
+    err = _exits_2(["--out", out, *RUN, "--resume"], capsys)
+    assert (f"offload-train: error: --resume: torn checkpoint: {torn} has {size // 2} bytes, the manifest of step 3 "
+            f"says {size}; resume from the previous one with --resume {step2}\n") == err
+    train.run(train.parse_args(["--out", out, *RUN, "--resume", step2]))
+    assert _losses(out) == straight
+
+
+def test_a_part_of_another_step_is_refused_by_its_hash(tmp_path, capsys) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "3"]))
+    step2, step3 = (p for _, p in run_dir.complete_checkpoints(out))
+    for name in ("trainer_state.pt", "engine_state.safetensors"):  # the same sizes in both steps
+        mixed = os.path.join(step3, name)
+        backup = os.path.join(out, name + ".bak")
+        os.replace(mixed, backup)
+        with open(os.path.join(step2, name), "rb") as src, open(mixed, "wb") as dst:
+            dst.write(src.read())
+        capsys.readouterr()
+        err = _exits_2(["--out", out, *RUN, "--resume"], capsys)
+        assert f"{mixed} does not match its sha256 in the manifest of step 3" in err
+        os.replace(backup, mixed)
+    extra = os.path.join(step3, "stray.bin")
+    with open(extra, "wb") as f:
+        f.write(b"x")
+    err = _exits_2(["--out", out, *RUN, "--resume"], capsys)
+    assert f"{extra} is not in the manifest" in err
+
+
+def test_an_out_holding_a_run_is_refused_with_both_options_and_nothing_is_written(tmp_path, capsys) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "2"]))
+    before = _snapshot(out)
+    capsys.readouterr()
+    err = _exits_2(["--out", out, *RUN], capsys)
+    assert err.startswith(f"offload-train: error: --out {out} already holds a run (step 2, checkpoint of 20")
+    assert "continue it with --resume, or replace it with --overwrite" in err
+    assert _snapshot(out) == before
+    train.run(train.parse_args(["--out", out, *RUN, "--steps", "1", "--overwrite"]))
+    assert [s for s, _ in _losses(out)] == [1]
+    assert [s for s, _ in run_dir.complete_checkpoints(out)] == [1]
+
+
+def test_an_out_with_metrics_but_no_checkpoint_is_refused_and_resume_says_there_is_none(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0}) + "\n")
+    err = _exits_2(["--out", str(out), *RUN], capsys)
+    assert "already holds a run (metrics to step 1, no complete checkpoint, of 20" in err
+    err = _exits_2(["--out", str(out), *RUN, "--resume"], capsys)
+    assert f"--resume: {out} holds no complete checkpoint: start it again with --overwrite" in err
+
+
+@pytest.mark.parametrize("flag, value, saved", [(["--resident-layers", "1"], "1", "0"),
+                                                (["--offload-all"], "True", "False"),
+                                                (["--grad-accum", "2"], "2", "1"),
+                                                (["--precision", "mixed"], "mixed", "bf16")])
+def test_a_resume_with_another_layout_flag_names_the_flag(tmp_path, capsys, flag, value, saved) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "1"]))
+    capsys.readouterr()
+    err = _exits_2(["--out", out, *RUN, "--resume", *flag], capsys)
+    assert (f"--resume: the checkpoint was made with {flag[0]} {saved}, this run has {value}: resume with "
+            f"{flag[0]} {saved}") in err
+
+
+def test_a_resume_with_more_steps_is_refused_rather_than_stretching_the_schedule(tmp_path, capsys) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "1"]))
+    capsys.readouterr()
+    err = _exits_2(["--out", out, *RUN, "--resume", "--steps", "16"], capsys)
+    assert "--resume: the checkpoint's run has --steps 4, this one 16: the cosine schedule spans --steps" in err
+    assert "resume with --steps 4" in err
+
+
+def test_resume_trims_the_metrics_after_the_checkpoint_so_no_step_appears_twice(tmp_path, monkeypatch,
+                                                                                 straight) -> None:
+    out = str(tmp_path / "run")
+    _crash_at(monkeypatch, "metrics", 4)  # rows 1-4 logged, checkpoints only to step 3 (--save-every 1)
+    with pytest.raises(_Killed):
+        train.run(train.parse_args(["--out", out, *RUN]))
+    monkeypatch.setattr(run_dir, "crash_hook", None)
+    assert [s for s, _ in _losses(out)] == [1, 2, 3, 4]
+    train.run(train.parse_args(["--out", out, *RUN, "--resume"]))
+    assert _losses(out) == straight
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    argv = ["--out", out, *RUN, "--steps", "200"]
+    env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
+    proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train", *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not run_dir.complete_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    line = [x for x in err.splitlines() if "interrupted" in x]
+    assert len(line) == 1, err
+    step, path = run_dir.complete_checkpoints(out)[-1]
+    assert line[0] == (f"offload-train: interrupted; last complete checkpoint: step {step} ({path}); continue "
+                       f"with: offload-train {' '.join(argv)} --resume")
