@@ -102,17 +102,17 @@ for step in "${steps[@]}"; do
     train-1b)  # issue 4: offload-train on the 1B shape, interrupted half way and resumed
       export OFFLOAD_TRAIN_NO_BAR=1
       run train_1b_a offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --stop-after 12 \
-        --lr 1e-4 --warmup-steps 2 --out /tmp/run_1b
+        --lr 1e-4 --warmup-steps 2 --out /tmp/run_1b --overwrite
       run train_1b_b offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --resume \
         --lr 1e-4 --warmup-steps 2 --out /tmp/run_1b
       cp /tmp/run_1b/metrics.jsonl "$OUT/metrics_1b.jsonl" ;;
     train-default)
-      OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default
+      OFFLOAD_TRAIN_NO_BAR=1 run train_default offload-train --out /tmp/run_default --overwrite
       cp /tmp/run_default/metrics.jsonl "$OUT/metrics_default.jsonl" ;;
     loss-curves)  # the default run with each loss backend and chunk size: how far rounding alone moves the curve
       export OFFLOAD_TRAIN_NO_BAR=1
       for variant in torch-2048 torch-4096 native-2048 native-4096; do
-        run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --loss-backend "${variant%-*}" \
+        run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --overwrite --loss-backend "${variant%-*}" \
           --loss-chunk-tokens "${variant#*-}"
         cp "/tmp/run_loss_${variant}/metrics.jsonl" "$OUT/metrics_loss_${variant}.jsonl"
       done
@@ -121,7 +121,7 @@ for step in "${steps[@]}"; do
     precision-curves)  # the default run in each host precision: what bf16's rounding costs, and bf16-sr wins back
       export OFFLOAD_TRAIN_NO_BAR=1
       for precision in mixed bf16 bf16-sr; do
-        run "precision_${precision}" offload-train --out "/tmp/run_precision_${precision}" --precision "$precision"
+        run "precision_${precision}" offload-train --out "/tmp/run_precision_${precision}" --overwrite --precision "$precision"
         cp "/tmp/run_precision_${precision}/metrics.jsonl" "$OUT/metrics_precision_${precision}.jsonl"
       done
       title="offload-train's default run by host precision (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
@@ -255,7 +255,7 @@ for step in "${steps[@]}"; do
       timed=(); [ -x /usr/bin/time ] && timed=(/usr/bin/time -v)  # its peak RSS, where the image has it
       [ -n "${SCRATCH_TIMEOUT:-}" ] && timed=(timeout -s INT "$SCRATCH_TIMEOUT" "${timed[@]}")
       OFFLOAD_TRAIN_NO_BAR=1 run scratch_8b "${timed[@]}" offload-train --model llama-8b --device cuda --steps 2 \
-        --batch-size 1 --seq-len 4096 --out /tmp/run_8b
+        --batch-size 1 --seq-len 4096 --out /tmp/run_8b --overwrite
       cp /tmp/run_8b/metrics.jsonl "$OUT/metrics_8b.jsonl"
       rm -rf /tmp/run_8b ;;  # its checkpoint (up to 48 GB, partial when cut) would leave no disk for `load`
     train-qwen)  # issue 12: the Qwen2.5-14B shape under the 24 GB cap, host memory logged

@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     args = train.parse_args(["--model", a.model, "--device", a.device, "--steps", "1", "--batch-size", "1",
-                             "--seq-len", "4096", "--out", "/tmp/profile_setup"])
+                             "--seq-len", "4096", "--out", "/tmp/profile_setup", "--overwrite"])
     device, simulated = train_setup.resolve_device(args)
     train_setup.apply_defaults(args, device.type == "cuda")
     phases = {"data": lambda: train_setup.build_stream(args)}
