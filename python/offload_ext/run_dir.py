@@ -295,8 +295,15 @@ def check_flags(ckpt: Checkpoint, args: dict[str, Any]) -> None:
                     f"--resume: the checkpoint's run has --steps {saved[key]}, this one {args.get(key)}: the cosine "
                     f"schedule spans --steps, so it would change mid-run; resume with --steps {saved[key]}, or "
                     "start a longer run from its weights (--model DIR --pretrained)")
-            raise CheckpointError(f"--resume: the checkpoint was made with {flag} {saved[key]}, this run has "
-                                  f"{args.get(key)}: resume with {flag} {saved[key]}")
+            raise CheckpointError(f"--resume: the checkpoint was made with {_as_flag(flag, saved[key])}, this run "
+                                  f"with {_as_flag(flag, args.get(key))}: resume with {_as_flag(flag, saved[key])}")
+
+
+def _as_flag(flag: str, value: Any) -> str:
+    """How a value is given on the command line: a switch by its presence, anything else after the flag."""
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
 
 
 # ---------------------------------------------------------------------------------------------- the run
