@@ -229,8 +229,6 @@ def _check_out(args: argparse.Namespace) -> None:
     if args.resume is not None and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
                          "--overwrite replaces it; pass one")
-    if args.keep_checkpoints < 1:
-        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     held = run_dir.existing_run(args.out)
     if held is not None and args.resume is None and not args.overwrite:
         raise UsageError(f"--out {args.out} already holds a run ({held}): continue it with --resume, or replace "

@@ -26,6 +26,7 @@ _WHOLE_NUMBERS = {
     "warmup_steps": (0, "steps"), "resident_layers": (0, "layers"), "device_layers": (2, "layer buffers"),
     "save_every": (0, "steps; 0: only at the end"), "log_every": (1, "steps"), "loss_chunk_tokens": (1, "tokens"),
     "stop_after": (1, "steps"), "lora_r": (1, "the adapters' rank"), "seed": (0, "numpy takes 0 to 2**32 - 1"),
+    "keep_checkpoints": (1, "complete checkpoints kept"),
 }
 # flag's attribute: (whether 0 is allowed, an example)
 _REAL_NUMBERS = {"lr": (False, "3e-4"), "weight_decay": (True, "0.1"), "max_grad_norm": (False, "1.0"),
@@ -72,7 +73,7 @@ def _flag(name: str) -> str:
 def check_inputs(args: argparse.Namespace) -> None:
     """--model, --tokenizer and --dataset: a local path that is there and readable, or a hub id the hub can
     be asked for. A path that does not exist is never sent to the hub (its retries took 49 s)."""
-    _check_out(args.out)
+    _check_out_is_writable(args.out)
     if (args.model in BUILTIN or args.model == "auto") and args.pretrained:
         raise UsageError(f"--pretrained: built-in config {args.model!r} has no weights; use --from-scratch, or "
                          "--model DIR or a hub id with weights")
@@ -84,7 +85,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         _check_dataset(args)
 
 
-def _check_out(out: str) -> None:
+def _check_out_is_writable(out: str) -> None:
     """--out is a directory, or can be made: its nearest existing ancestor is a directory this user may write."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out}: a file is there; expected a directory (made when missing): pass another --out")
