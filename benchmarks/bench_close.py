@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 
 import offload_ext
-from offload_ext.memory_plan import process_rss
+from offload_ext.planning.memory import process_rss
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 import _common
-from offload_ext.backends.native import default_engine_threads, native
+from offload_ext.engine.backends.native import default_engine_threads, native
 
 PASSES = ("step", "speculative", "scale_step", "redo", "accumulate_first", "accumulate_step")
 # The jobs each pass times, by their names on the timeline (a norm on the host comes with some).

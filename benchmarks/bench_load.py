@@ -55,7 +55,7 @@ def config(preset: str) -> LlamaConfig:
 def offload_train_peak(path: str, device: str, steps: int, mode: str = "--pretrained") -> dict[str, float]:
     """offload-train `mode` (--pretrained or --from-scratch) on the checkpoint (a small tokenizer trained into
     it first, once): the whole run's wall time and peak RSS as /usr/bin/time -v reports them."""
-    from offload_ext import data
+    from offload_ext.train import data
 
     data.train_tokenizer(data.stdlib_corpus(max_bytes=1 << 20), 1024, os.path.join(path, "tokenizer.json"))
     out = os.path.join(path, "offload_train_run" + mode.replace("-", "_"))

@@ -17,7 +17,7 @@ speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads
 params_first=False (a host step after the clipping norm in one pass, not params then moments), hostsum for
 accumulate_on_device=False
 (micro-batches summed on the host; by default on the GPU when the sums fit). resident-lean checkpoints each
-layer with the engine's own checkpoint (offload_ext.recompute: torch's non-reentrant rule with less
+layer with the engine's own checkpoint (offload_ext.engine.recompute: torch's non-reentrant rule with less
 bookkeeping) instead of HF's default (torch's checkpoint), to show what that alone is worth; offloaded modes
 always use it, and their ratios are to the resident mode without the suffix. The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
@@ -65,10 +65,10 @@ import _common
 import _deepspeed
 import offload_ext
 from offload_ext import testing
-from offload_ext.layers import wrap_layer
-from offload_ext.lora import add_lora
-from offload_ext.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Timeline, span
-from offload_ext.weights import filled_on, materialize, parameters_on_meta, tile_random
+from offload_ext.engine.layers import wrap_layer
+from offload_ext.engine.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Timeline, span
+from offload_ext.models.lora import add_lora
+from offload_ext.models.weights import filled_on, materialize, parameters_on_meta, tile_random
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -560,7 +560,7 @@ def _num(value: float | None, spec: str = ".4f") -> str:
 
 def time_mixed_kernel(off) -> float:
     """The A1 mixed kernel over this model's streamed layers, on the same buffers and thread count."""
-    from offload_ext.backends.native import default_engine_threads
+    from offload_ext.engine.backends.native import default_engine_threads
 
     testing.settle(off)  # steps of the last backward may still run on these buffers
     layers = testing.host_buffers(off)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from offload_ext import train
+from offload_ext.train import cli as train
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ class Run:
         argv = ["--out", out, *RUN, *extra]
         if Run.spawn:
             with open(self.log, "w") as log:
-                self.proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train", *argv], stdout=log,
+                self.proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train.cli", *argv], stdout=log,
                                              stderr=log)
             self.pid = self.proc.pid
         else:
@@ -82,7 +82,7 @@ def _child(argv: list[str], log: str) -> None:
     os.dup2(fd, 2)
     code = 1
     try:
-        from offload_ext import train
+        from offload_ext.train import cli as train
 
         train.main(argv)
         code = 0
@@ -163,7 +163,7 @@ def main() -> None:
     if not a.spawn:  # imported once here, before any thread or torch computation: each fork starts warm
         import transformers.models.llama.modeling_llama  # noqa: F401
 
-        import offload_ext.train  # noqa: F401
+        import offload_ext.train.cli  # noqa: F401
     root = a.keep or tempfile.mkdtemp(prefix="kill_resume_")
     os.makedirs(root, exist_ok=True)
     expected, span = reference(root, a.jobs)

@@ -10,8 +10,9 @@ import cProfile
 import pstats
 import time
 
-from offload_ext import train, train_setup
-from offload_ext.trainer import Trainer
+from offload_ext.train import cli as train
+from offload_ext.train import setup as train_setup
+from offload_ext.train.trainer import Trainer
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import offload_ext
 
 
 def pytest_configure(config) -> None:
-    # offload-train's machine-wide cache of the embedded corpus (offload_ext.data.cache_dir): one of the
+    # offload-train's machine-wide cache of the embedded corpus (offload_ext.train.data.cache_dir): one of the
     # session's own, shared by its tests and the processes they start, never the user's; gone at its end.
     config.offload_ext_cache = tempfile.mkdtemp(prefix="offload_ext_cache_")
     os.environ["OFFLOAD_EXT_CACHE"] = config.offload_ext_cache

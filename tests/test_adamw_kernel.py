@@ -9,7 +9,7 @@ import torch
 
 import offload_ext
 from conftest import bf16_ulp_distance
-from offload_ext import stochastic_rounding
+from offload_ext.optim import stochastic_rounding
 
 SIZES = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 1023, 1024, 4097,
          65535, 65537, 131073, 1_000_003]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from offload_ext import ops
-from offload_ext.backends import Backend, Hyper, LayerBuffers, make_backend
+from offload_ext.engine.backends import Backend, Hyper, LayerBuffers, make_backend
 
 Direction, Job = ops.Direction, ops.Job
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

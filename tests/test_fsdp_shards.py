@@ -29,7 +29,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int, steps: int) 
 
 
 def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
-    from offload_ext.fsdp import materialize_shards
+    from offload_ext.models.fsdp_shards import materialize_shards
 
     with gloo_mesh(rank, world, port) as mesh:
         source = dict(_model().named_parameters())  # the values a checkpoint would hold

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_ext import gpu_warmup
-from offload_ext.gpu_warmup import GpuWarmup
+from offload_ext.train import gpu_warmup
+from offload_ext.train.gpu_warmup import GpuWarmup
 
 
 def test_the_warmup_runs_a_layers_work_and_joins_cleanly_on_the_cpu() -> None:

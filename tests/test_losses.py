@@ -11,7 +11,8 @@ from torch import nn
 
 import offload_ext
 from helpers import batches, tiny_llama
-from offload_ext import losses, ops
+from offload_ext import ops
+from offload_ext.models import losses
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]

@@ -13,11 +13,12 @@ from torch.utils.checkpoint import checkpoint
 
 import offload_ext
 from helpers import tiny_llama
-from offload_ext import testing, train
-from offload_ext.backends.native import NativeBackend
-from offload_ext.backends.python import PythonBackend
-from offload_ext.losses import lm_head_loss
-from offload_ext.memory_plan import Shape, kept_layer_bytes, layer_activation_bytes, loss_rows
+from offload_ext import testing
+from offload_ext.engine.backends.native import NativeBackend
+from offload_ext.engine.backends.python import PythonBackend
+from offload_ext.models.losses import lm_head_loss
+from offload_ext.planning.memory import Shape, kept_layer_bytes, layer_activation_bytes, loss_rows
+from offload_ext.train import cli as train
 
 HOST_KNOBS = [dict(), dict(precision="mixed"), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, precision="mixed"),
               dict(max_grad_norm=1.0, speculative_clip=False), dict(grad_accum=2),
@@ -41,7 +42,7 @@ def test_the_plans_host_figures_are_the_native_engines_pools(knobs) -> None:
 def test_close_gives_the_optimizer_state_back_before_copying_the_weights_out(precision) -> None:
     # Copied out on top of the whole engine, a 14 B model's weights took the host from 84 to 113 GB at
     # close() (run 66). The moments (and mixed's masters) go first: the pageable pool is unmapped whole.
-    from offload_ext.memory_plan import process_rss
+    from offload_ext.planning.memory import process_rss
 
     model = tiny_llama(layers=8, hidden=512)
     off = offload_ext.Offloader(model, backend="native", device="cpu", precision=precision)
@@ -159,8 +160,8 @@ def test_a_gpu_too_small_is_refused_with_the_batch_that_fits() -> None:
 
 def test_the_offloaders_device_check_refuses_what_stays_on_the_gpu(monkeypatch) -> None:
     # The check runs on the figures alone: a CUDA device is described here by the memory it has free.
-    from offload_ext import planning
-    from offload_ext.memory_plan import Settings, choose
+    from offload_ext.planning import plan as planning
+    from offload_ext.planning.memory import Settings, choose
 
     model = _meta_llama(layers=4, hidden=2048)  # embeddings and head of 32000 x 2048: 0.26 GB, 0.52 GB of state
     device = torch.device("cuda", 0)

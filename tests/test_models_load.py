@@ -77,7 +77,7 @@ def _no_progress_bar(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
     """A tiny model trained by offload-train: its checkpoint has weights, a config and the saved tokenizer."""
-    from offload_ext import train
+    from offload_ext.train import cli as train
 
     out = str(tmp_path_factory.mktemp("trained") / "run")
     train.run(train.parse_args(["--out", out, "--model", "tiny", "--steps", "30", "--batch-size", "4",
@@ -86,7 +86,7 @@ def trained(tmp_path_factory) -> str:
 
 
 def _first_loss(out: str, *argv: str) -> float:
-    from offload_ext import train
+    from offload_ext.train import cli as train
 
     train.run(train.parse_args(["--out", out, *argv]))
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -94,7 +94,7 @@ def _first_loss(out: str, *argv: str) -> float:
 
 
 def _refused(argv: list[str], capsys) -> str:
-    from offload_ext import train
+    from offload_ext.train import cli as train
 
     with pytest.raises(SystemExit) as exc:
         train.main(argv)
@@ -149,7 +149,7 @@ def test_lora_on_a_base_drawn_at_random_is_refused_with_the_fix(tmp_path, capsys
 
 
 def test_offload_train_streams_a_mixtral_checkpoint_with_transformers_first_loss(tmp_path) -> None:
-    from offload_ext import data
+    from offload_ext.train import data
 
     path = str(tmp_path / "mixtral")
     cfg = AutoConfig.for_model("mixtral", **{**_SHAPE, "vocab_size": 512}, **CONFIGS["mixtral"])

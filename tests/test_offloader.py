@@ -45,7 +45,7 @@ def test_gpt2_stack_is_found_and_trains_like_without_offload(backend) -> None:
     ref_losses, _ = reference_training(base, batches(4), "bf16", LR, WD)
     model = copy.deepcopy(base)
     losses, off = _train(model, backend, "bf16", steps=4)
-    assert [name for name, _ in offload_ext.stacks.find_layer_stacks(model)] == ["transformer.h"]
+    assert [name for name, _ in offload_ext.models.stacks.find_layer_stacks(model)] == ["transformer.h"]
     off.close()
     assert losses == ref_losses
 
@@ -74,7 +74,7 @@ def _run_state(base: nn.Module, backend: str, steps: int = 4, **kw) -> tuple[lis
     return losses, [p.detach().clone() for p in model.parameters()], state
 
 
-# The python backend steps bf16-sr by offload_ext.stochastic_rounding's torch ops, the native one by the
+# The python backend steps bf16-sr by offload_ext.optim.stochastic_rounding's torch ops, the native one by the
 # kernel; the variants take the engine through group ranges, slices, accumulation inside the step, speculative
 # steps and their redos (the python backend clips after backward), the part outside the stacks as a unit, and
 # resident layers and device-kept parameters stepped by the torch ops on the device.
@@ -274,7 +274,7 @@ def test_every_simd_level_trains_accumulation_and_speculative_clipping_exactly(l
 def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from offload_ext.backends.sizes import available_host_bytes
+    from offload_ext.planning.host_sizes import available_host_bytes
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=48,
                       num_attention_heads=64, num_key_value_heads=8)  # 41 B params: over 400 GB of host buffers
@@ -291,7 +291,7 @@ def test_host_buffers_this_machine_cannot_hold_are_refused_before_allocation() -
 def test_pageable_buffers_are_checked_again_after_page_locking(monkeypatch) -> None:
     # A machine whose available memory drops by more than what was page-locked (a sandbox counting it
     # twice, say): the pageable part is refused before any of it is allocated, naming the cost.
-    from offload_ext.backends import sizes
+    from offload_ext.planning import host_sizes as sizes
 
     readings = iter([1 << 50, 1 << 10])  # before page-locking: plenty; after: 1 kB
     monkeypatch.setattr(sizes, "available_host_bytes", lambda: next(readings))
@@ -947,7 +947,7 @@ def test_once_the_norm_is_known_no_speculative_step_starts_and_the_held_ones_ste
 
 
 def test_speculation_keeps_to_the_top_layers_whose_second_buffers_host_memory_holds(monkeypatch) -> None:
-    from offload_ext.backends import sizes
+    from offload_ext.planning import host_sizes as sizes
 
     base, data = tiny_llama(layers=8), batches(3)
     ref_losses, ref_model = reference_training(base, data, "bf16", LR, WD, max_grad_norm=1e-3, exact_clip=True)
@@ -1001,7 +1001,7 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
     # speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
     # redos meet speculative steps queued (dropped), running (waited for) and done. Norm weights without
     # weight decay make two groups per layer; pieces of 777 elements cut through them.
-    from offload_ext import device_redo
+    from offload_ext.engine import device_redo
 
     if piece is not None:
         monkeypatch.setattr(device_redo, "REDO_PIECE", piece)
@@ -1052,7 +1052,7 @@ def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot(
 
 @pytest.mark.parametrize("precision, state_spans", [("bf16", 4), ("mixed", 6)])
 def test_device_redo_units_have_their_state_page_locked_in_the_plan(precision, state_spans) -> None:
-    from offload_ext.backends.sizes import NativeHostPlan
+    from offload_ext.planning.host_sizes import NativeHostPlan
 
     sizes = ((1000, 900),) * 4
     plain = NativeHostPlan.choose(precision, sizes, speculative_units=frozenset(range(4)))

@@ -87,7 +87,7 @@ def test_adamw_step_passes_opcheck_on_cuda(mode: str) -> None:
 @pytest.mark.parametrize("n", [1, 1000, 300_001])
 def test_adamw_step_on_cuda_gives_the_cpu_kernels_bits(mode: str, grad_scale: float, weight_decay: float, step: int,
                                                        n: int) -> None:
-    # The device redo of a clipped step (offload_ext.device_redo) stands in for the host's: it must be the
+    # The device redo of a clipped step (offload_ext.engine.device_redo) stands in for the host's: it must be the
     # same arithmetic, not merely close.
     if mode == "mixed-fp32grad" and grad_scale != 1.0:
         pytest.skip("grad_scale is for bf16 grads")
@@ -245,7 +245,7 @@ def test_sr_round_bf16_passes_opcheck(device: str) -> None:
 @pytest.mark.parametrize("seed, stream", [(0, 0), (1, 1 << 32), ((1 << 64) - 1, (1 << 63) + 3)])
 def test_sr_round_bf16_stores_the_bits_of_the_torch_op_rule(device: str, n: int, index: int, seed: int,
                                                            stream: int) -> None:
-    from offload_ext import stochastic_rounding
+    from offload_ext.optim import stochastic_rounding
 
     p, m, v = _sr_inputs(n, device)
     ours = [torch.full((n,), 7.0, dtype=torch.bfloat16, device=device) for _ in range(3)]

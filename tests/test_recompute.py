@@ -1,4 +1,4 @@
-"""offload_ext.recompute: a checkpointed call gives an unwrapped forward's loss and gradients bit for bit (under
+"""offload_ext.engine.recompute: a checkpointed call gives an unwrapped forward's loss and gradients bit for bit (under
 autocast and dropout too, through torch.autograd.grad as through backward), keeps no saved tensor between forward
 and backward, and stops its recompute once every saved tensor is back."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from helpers import tiny_gpt2, tiny_llama
-from offload_ext.recompute import recompute_checkpoint
+from offload_ext.engine.recompute import recompute_checkpoint
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]

@@ -11,7 +11,7 @@ import pytest
 
 import offload_ext
 from helpers import batches, offloaded_training, tiny_llama
-from offload_ext.timeline import Timeline
+from offload_ext.engine.timeline import Timeline
 
 LAYERS = 4
 

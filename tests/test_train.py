@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from offload_ext import train
+from offload_ext.train import cli as train
 
 FAST = ["--steps", "12", "--batch-size", "4", "--seq-len", "32"]
 
@@ -44,7 +44,7 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process's age comes from Linux's /proc")
 def test_elapsed_time_counts_from_the_process_start_not_from_run() -> None:
     # A process that sleeps 0.5 s before it imports offload-train: its age includes the sleep and the imports.
-    code = ("import time; time.sleep(0.5); from offload_ext.train import seconds_since_process_start as age; "
+    code = ("import time; time.sleep(0.5); from offload_ext.train.cli import seconds_since_process_start as age; "
             "t = time.perf_counter(); a = age(); time.sleep(0.2); print(a, age() - a, time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     first, grown, waited = map(float, out.stdout.split())
@@ -143,7 +143,7 @@ def test_a_local_jsonl_dataset_trains(tmp_path) -> None:
 def _train_a_tokenizer(path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from offload_ext import data
+    from offload_ext.train import data
 
     tok = data.train_tokenizer(["def f(x):\n    return x + 1\n" * 50], 300, str(path / "tokenizer.json"))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(path))
@@ -253,7 +253,7 @@ def test_trace_writes_the_engine_timeline_of_the_profiled_steps(tmp_path) -> Non
 def test_a_model_this_host_cannot_hold_is_refused_before_allocation(tmp_path, capsys) -> None:
     # qwen-14b's host buffers (~83 GB) are over what a CI machine has; built on the meta device, the run
     # stops at the memory check with the numbers and the options, not a kill halfway through a fill.
-    from offload_ext.backends.sizes import available_host_bytes
+    from offload_ext.planning.host_sizes import available_host_bytes
 
     available = available_host_bytes()
     if available is None or available > 80e9:
@@ -303,7 +303,7 @@ def test_kept_layers_get_expandable_segments_unless_the_user_set_the_allocator(t
 
 
 def _stream_of(out, monkeypatch, cache) -> tuple:
-    from offload_ext import train_setup
+    from offload_ext.train import setup as train_setup
 
     monkeypatch.setenv("OFFLOAD_EXT_CACHE", str(cache))
     os.makedirs(out, exist_ok=True)
@@ -313,7 +313,7 @@ def _stream_of(out, monkeypatch, cache) -> tuple:
 
 
 def test_a_fresh_out_takes_the_embedded_corpus_from_the_machines_cache(tmp_path, monkeypatch) -> None:
-    from offload_ext import data
+    from offload_ext.train import data
 
     first = _stream_of(tmp_path / "a", monkeypatch, tmp_path / "cache")
 
@@ -326,7 +326,7 @@ def test_a_fresh_out_takes_the_embedded_corpus_from_the_machines_cache(tmp_path,
 
 
 def test_the_machines_cache_off_or_unwritable_leaves_each_run_to_tokenize(tmp_path, monkeypatch, capsys) -> None:
-    from offload_ext import data
+    from offload_ext.train import data
 
     _stream_of(tmp_path / "a", monkeypatch, "0")
     assert data.cache_dir() is None

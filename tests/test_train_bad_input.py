@@ -12,8 +12,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from offload_ext import train, train_inputs
-from offload_ext.train_setup import BUILTIN, UsageError
+from offload_ext.train import cli as train
+from offload_ext.train import inputs as train_inputs
+from offload_ext.train.setup import BUILTIN, UsageError
 
 _WHOLE = safetensors.torch.save({"w": torch.zeros(2048)})  # the checkpoint that _truncated_checkpoint cuts short
 _BUILTINS = ", ".join(BUILTIN)
@@ -221,7 +222,7 @@ def test_debug_raises_the_error_instead_of_the_line(inputs, capsys) -> None:
 
 
 def _cli(*argv: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offload_ext.train", *argv], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "offload_ext.train.cli", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OFFLOAD_TRAIN_NO_BAR": "1"})
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from offload_ext import run_dir, train
+from offload_ext.train import cli as train
+from offload_ext.train import run_dir
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
        "--save-every", "1"]
@@ -83,7 +84,7 @@ def test_a_crash_at_every_write_boundary_resumes_exactly_like_the_uninterrupted_
 def test_a_sigkill_in_the_middle_of_a_save_resumes_exactly(tmp_path, straight) -> None:
     out = str(tmp_path / "run")
     env = dict(os.environ, OFFLOAD_TRAIN_KILL_AT="engine:3")  # weights of step 3 written, its engine state not
-    proc = subprocess.run([sys.executable, "-m", "offload_ext.train", "--out", out, *RUN], env=env,
+    proc = subprocess.run([sys.executable, "-m", "offload_ext.train.cli", "--out", out, *RUN], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert os.path.isdir(os.path.join(out, "checkpoints", "step-000003.partial"))
@@ -190,7 +191,7 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
     out = str(tmp_path / "run")
     argv = ["--out", out, *RUN, "--steps", "200"]
     env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
-    proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train", *argv], env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not run_dir.complete_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:

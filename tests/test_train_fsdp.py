@@ -13,7 +13,7 @@ from helpers import free_port
 
 def _train(out, *flags: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "offload_ext.train", "--fsdp", "--device", "cpu", "--steps", "4", "--max-grad-norm", "1.0",
+           "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", "--max-grad-norm", "1.0",
            "--out", str(out), *flags]
     env = {**os.environ, "OFFLOAD_TRAIN_NO_BAR": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)

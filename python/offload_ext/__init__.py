@@ -1,15 +1,15 @@
 """offload_ext: full CPU offload for training models larger than one GPU."""
 from __future__ import annotations
 
-from . import stacks
-from ._info import build_info
-from ._version import __version__
-from .layers import enable_activation_checkpointing
-from .losses import causal_lm_loss, lm_head_loss
-from .offloader import Offloader
-from .ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
-from .optim import CPUAdamW, StochasticAdamW
-from .planning import MemoryPlan, plan
+from offload_ext._info import build_info
+from offload_ext._version import __version__
+from offload_ext.engine.layers import enable_activation_checkpointing
+from offload_ext.engine.offloader import Offloader
+from offload_ext.models import stacks
+from offload_ext.models.losses import causal_lm_loss, lm_head_loss
+from offload_ext.ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
+from offload_ext.optim.cpu_adamw import CPUAdamW, StochasticAdamW
+from offload_ext.planning.plan import MemoryPlan, plan
 
 __all__ = [
     "__version__",

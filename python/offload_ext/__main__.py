@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from . import build_info
+from offload_ext import build_info
 
 
 def main() -> None:

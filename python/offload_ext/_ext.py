@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from . import _build
+from offload_ext import _build
 
 _native: ModuleType | None = None
 _origin = "not loaded"

@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
-from . import _ext
-from ._version import __version__
+from offload_ext import _ext
+from offload_ext._version import __version__
 
 
 def build_info() -> dict[str, Any]:

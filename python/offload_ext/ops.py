@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from . import _ext
-from ._ext import native
+from offload_ext import _ext
+from offload_ext._ext import native
 
 _NATIVE_CLASSES = ("Engine", "Event", "Direction", "Job")
 
@@ -47,7 +47,7 @@ def adamw_step(
     or fp32 grad, optionally writing the updated param rounded to bf16 into `param_out`.
     `step` is the 1-based step count used for bias correction.
     With `sr_seed` (bf16 mode only), param and exp_avg_sq are stored by stochastic rounding, the span's
-    elements drawing indices sr_offset.. of stream (sr_seed, sr_stream): offload_ext.stochastic_rounding
+    elements drawing indices sr_offset.. of stream (sr_seed, sr_stream): offload_ext.optim.stochastic_rounding
     gives the rule, and the same result in torch ops.
     `grad_scale` != 1 (a bf16 grad): the step reads bf16(grad * grad_scale), as a bf16 .grad is after
     torch.nn.utils.clip_grad_norm_ scales it.
@@ -103,7 +103,7 @@ def sr_round_bf16(param32: torch.Tensor, exp_avg32: torch.Tensor, exp_avg_sq32: 
     """The stores of a bf16-sr AdamW step from its fp32 results, in one pass on their device: param and
     exp_avg_sq by stochastic rounding with the words of stream (seed, stream) at `step` for indices
     offset .. offset + n - 1 (all in one block of 2^32), exp_avg to nearest. Bit for bit
-    offload_ext.stochastic_rounding's rule."""
+    offload_ext.optim.stochastic_rounding's rule."""
     native()
     torch.ops.offload_ext.sr_round_bf16(param32, exp_avg32, exp_avg_sq32, param, exp_avg, exp_avg_sq, _int64(seed),
                                         _int64(stream), int(step), int(offset))

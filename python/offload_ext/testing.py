@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ._ext import native
-from .backends import LayerBuffers
-from .offloader import Offloader
+from offload_ext._ext import native
+from offload_ext.engine.backends import LayerBuffers
+from offload_ext.engine.offloader import Offloader
 
 
 def delayed_copies(off: Offloader, max_us: int) -> None:
@@ -64,7 +64,7 @@ def host_buffers(off: Offloader) -> list[LayerBuffers]:
 
 
 def device_redo_units(off: Offloader) -> frozenset[int]:
-    """Units (global index) whose redo, when clipping triggers, runs on the device (offload_ext.device_redo)."""
+    """Units (global index) whose redo, when clipping triggers, runs on the device (offload_ext.engine.device_redo)."""
     return off._backend.device_redo_units
 
 

@@ -1,0 +1,1 @@
+"""The engine: the Offloader and its runtime parts (backends, device rings, gradient paths, activations)."""

@@ -1,0 +1,420 @@
+"""The native backend: the C++ engine's pinned pool, copy streams and overlapped AdamW scheduler.
+
+A layer's gradient copy carries a host callback that queues the layer's fused AdamW step on the
+engine's worker threads at once, so the CPU steps layer i while the GPU runs backward below it;
+the step writes bf16 params straight into the pinned buffer the next forward copies from.
+With async_step (the default) step() does not wait for the layers still queued when backward ends:
+the engine steps the lowest layer first, and each layer's next copy waits for its own step, so the
+CPU work left over from backward overlaps the next forward. The engine steps a unit in slices and
+chooses again after each, so the lowest layer goes first even when a higher one has started.
+In bf16, gradients land in a small ring of pinned staging slots rather than one buffer per layer: a
+slot is reused only once the step that reads it is done, which halves the memory to page-lock.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from offload_ext import ops
+from offload_ext._ext import native
+from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.device_redo import DeviceRedo
+from offload_ext.planning import host_sizes
+from offload_ext.planning.host_sizes import HostNeed, NativeHostPlan
+
+
+def default_engine_threads() -> int:
+    # All usable CPUs but one for the Python thread that launches GPU work, and one for the
+    # CUDA driver's callback/copy threads.
+    return max(1, len(os.sched_getaffinity(0)) - 2)
+
+
+class NativeBackend(Backend):
+    def __init__(self, device: torch.device, precision: str, *, num_threads: int | None = None,
+                 pin_threads: bool = True, slab_bytes: int = 256 << 20, grad_slots: int | None = None,
+                 accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
+                 speculative_units: frozenset[int] = frozenset(),
+                 grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
+                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, params_first: bool = True,
+                 **_: Any) -> None:
+        super().__init__(device, precision, accumulate)
+        # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
+        self._sr_seed = sr_seed if precision == "bf16-sr" else None
+        # Clipping: these units (given second buffers) step as their gradients land and are redone exactly
+        # if the norm clips; the others wait for the norm. After a step that clipped, their steps are held
+        # until the norm (begin_micro). prepare() drops the lowest of them when host memory cannot hold their
+        # second buffers.
+        self._speculative_units = speculative_units
+        self._speculating = speculative_units  # this step's
+        # Clipping triggered: these units' redos run on the device (offload_ext.engine.device_redo); plan() keeps those
+        # that speculate.
+        self._device_redo_units = device_redo_units
+        self._device_redo: DeviceRedo | None = None  # prepare()
+        self._groups: list[tuple[tuple[int, int, int], ...]] = []  # per unit: (group, begin, end)
+        self._hypers: list[Hyper] = []  # this step's, per group
+        self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
+        self._redone_last = False
+        self.speculative = bool(speculative_units)
+        # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
+        # own, kept (as its accum) until the norm decides between the step standing and a redo.
+        self._keep_grads = self.speculative and grad_accum == 1
+        self._grad_accum = grad_accum
+        self._kept_layers = kept_layers  # some layers run without recompute: one gradient slot per layer
+        self.asynchronous = async_step
+        ext = native()
+        self._direction, self._jobs = ext.Direction, ext.Job
+        if device.type == "cuda" and not ext.native_info()["cuda"]:
+            raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
+                               "offload_ext.build_info()); reinstall with a CUDA toolkit, or use backend='python'")
+        index = -1 if device.type == "cpu" else torch.cuda.current_device() if device.index is None else device.index
+        self._engine = ext.Engine(index, num_threads or default_engine_threads(), pin_threads, slab_bytes, host_nice)
+        # After the norm, a step stores the params first and the moments in a pass of their own, later: the next
+        # forward's copy waits for the params alone (StepScheduler::set_params_first).
+        self._engine.set_params_first(params_first)
+        self._slice_elements = slice_elements  # None: chosen in prepare()
+        if slice_elements is not None:
+            self._engine.set_slice_elements(slice_elements)
+        self._count = 0  # units added so far; the engine numbers them 0, 1, ... as new_layer() is called
+        self._grad_slots = grad_slots  # None: chosen in prepare()
+        self._ring: list[torch.Tensor] = []
+        self._slot_owner: list[int | None] = []  # per slot: the unit whose step reads it
+        self._own_grads: set[int] = set()  # units with a grad buffer of their own, outside the ring
+        self._flushed: set[int] = set()    # units whose gradients came this step
+        self._layers: list[LayerBuffers] = []  # per unit
+        self._host_plan: NativeHostPlan | None = None  # plan(): the host buffers to reserve
+        self._before: int | None = None         # plan(): the host memory available then
+
+    def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Choose the gradient slots and the slicing, then check host memory for the plan, speculating as
+        high up as it fits; nothing is allocated."""
+        planned = NativeHostPlan.choose(self.precision, tuple(sizes), tuple(own_grads), grad_slots=self._grad_slots,
+                                        accumulate=self.accumulate, speculative_units=self._speculative_units,
+                                        grad_accum=self._grad_accum, kept_layers=self._kept_layers,
+                                        device_redo_units=self._device_redo_units)
+        self._grad_slots = planned.grad_slots
+        self._slot_owner = [None] * self._grad_slots
+        if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):
+            # The engine steps units in slices so that a lower layer can overtake one already started.
+            # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
+            # layers the layer that reuses the slot would wait in backward: step whole units instead,
+            # unless the caller chose the slice (slice_elements). Speculative steps too: a redo must let a
+            # started one finish first, while one not started becomes the clipped step itself, and with
+            # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
+            # had started when backward ended).
+            self._engine.set_slice_elements(1 << 62)
+        before = host_sizes.available_host_bytes()
+        self._adopt(planned.fitted(before), planned)
+        host_sizes.check_host_memory(self._host_plan.need(), before, self._host_plan.alternatives())
+        self._before = before
+
+    def _adopt(self, fitted: NativeHostPlan, planned: NativeHostPlan) -> None:
+        """Take the plan that host memory holds; say when it speculates on fewer units than asked."""
+        kept, asked = len(fitted.speculative_units), len(planned.speculative_units)
+        if kept < asked:
+            dropped = sorted(planned.speculative_units - fitted.speculative_units)
+            warnings.warn(f"Offloader: host memory holds second buffers for {kept} of {asked} speculative units; "
+                          f"units {dropped[0]}-{dropped[-1]} wait for the norm under clipping", stacklevel=4)
+        self._host_plan = fitted
+        self._speculative_units = fitted.speculative_units
+        self._device_redo_units = fitted.device_redo_units
+        self._speculating = self._speculative_units
+
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
+        if self._host_plan is None:
+            self.plan(sizes, own_grads)
+        self._reserve()
+        largest = max(t for _, t in sizes)
+        self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
+        if self._device_redo_units:
+            state = torch.float32 if self.precision == "mixed" else torch.bfloat16
+            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in self._device_redo_units), state)
+
+    def _reserve(self) -> None:
+        """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
+        pinned, before = self._host_plan.pinned_blocks(), self._before
+        self._engine.reserve_pinned_blocks([b.nbytes for b in pinned])
+        # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
+        # pageable part is checked again against what is left, before any of it is allocated. (A unit
+        # trimmed here leaves its page-locked second params unused: they are reserved already.)
+        after = host_sizes.available_host_bytes()
+        if before is not None and after is not None:
+            locked = sum(b.nbytes for b in pinned)
+            cost = f"page-locking {locked / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
+            self._adopt(self._host_plan.fitted(after, pinned=False), self._host_plan)
+            try:
+                pageable = HostNeed(tuple(self._host_plan.pageable_blocks()))
+                released = f"{cost}, and the pinned memory is released again"
+                host_sizes.check_host_memory(pageable, after, pinning=released)
+            except MemoryError:
+                self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
+                raise
+        # Faulted in now, on the set-up threads: a first write inside a host step costs several times the
+        # step (B2 speculative steps whose second buffers were fresh: 150 ms against 30, run 33).
+        self._engine.reserve_host_blocks([b.nbytes for b in self._host_plan.pageable_blocks()])
+
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
+                  groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
+        e = self._engine
+        params = e.pinned_empty(numel, torch.bfloat16)
+        if own_grads or self._keep_grads:
+            self._own_grads.add(self._count)
+            grads = e.pinned_empty(max(1, trainable), torch.bfloat16)[:trainable]
+        else:
+            grads = self._ring[self._count % self._grad_slots][:trainable]
+        state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
+        # A unit redone on the device has its state page-locked: the device copies it in and out.
+        redo = self._count in self._device_redo_units
+        zeros, empty = (self._pinned_zeros, e.pinned_empty) if redo else (e.host_zeros, e.host_empty)
+        exp_avg = zeros(trainable, state_dtype)
+        exp_avg_sq = zeros(trainable, state_dtype)
+        master_buf = empty(trainable, torch.float32) if self.precision == "mixed" else None
+        accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
+        stepped = master_buf if self.precision == "mixed" else params[:trainable]
+        # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
+        alt: tuple[torch.Tensor, ...] = ()
+        if self._count in self._speculative_units:
+            # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
+            first = zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
+            alt = (first, zeros(trainable, state_dtype), zeros(trainable, state_dtype))
+        layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt)
+        out = layer.trainable_params if self.precision == "mixed" else None
+        unit = e.add_unit(stepped, grads, exp_avg, exp_avg_sq, out, accum=accum, groups=list(groups or ()),
+                          alt=[alt[0][:trainable], *alt[1:]] if alt else [], sr_seed=self._sr_seed,
+                          sr_stream=self._count)
+        if unit != self._count:
+            raise RuntimeError(f"Offloader: the engine numbered unit {self._count} as {unit}")
+        self._count += 1
+        self._layers.append(layer)
+        self._groups.append(tuple(groups) if groups else ((0, 0, trainable),))
+        return layer
+
+    @property
+    def device_redo_units(self) -> frozenset[int]:
+        return self._device_redo_units
+
+    def _pinned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._engine.pinned_empty(numel, dtype).zero_()
+
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
+        # Its step writes the params we copy (the waits release the GIL).
+        self._wait_device_redo(index)
+        self._engine.wait_unit(index, reason=f"u{index}'s host step, before its copy to the device", params_only=True)
+        self._follow_swap(index, layer)  # "bf16": a speculative step left the params in the other buffer
+        return self._engine.copy(self._direction.H2D, dst, layer.params, trace_unit=index,
+                                 after_event=after.cuda_event if after is not None else 0)
+
+    def ready(self, index: int) -> bool:
+        return self._engine.ready(index, params_only=True)
+
+    def compute_wait(self, event: Any) -> None:
+        self._engine.compute_wait(event)
+
+    def _job(self, index: int) -> Any:
+        """The engine Job a landed gradient copy of unit `index` triggers (with speculation and a host
+        norm, a SPECULATIVE_STEP follows it)."""
+        jobs = self._jobs
+        if self.speculative and self._last_micro:
+            if self._device_norm(index):
+                return jobs.SPECULATIVE_STEP
+            return jobs.NORM if self._keep_grads else jobs.ACCUMULATE_NORM
+        if not self.accumulate:
+            return jobs.STEP
+        if self._first_micro:
+            return jobs.ACCUMULATE_FIRST
+        return jobs.ACCUMULATE_STEP if self._last_micro else jobs.ACCUMULATE
+
+    def _device_norm(self, index: int) -> bool:
+        """Whether unit `index`'s norm is taken on the device, from the gradient about to be copied: a single
+        micro-batch's gradient of a unit that speculates (a sum over micro-batches exists on the host only;
+        a unit that waits for the norm has its host NORM job mark its landing)."""
+        return self._keep_grads and self._last_micro and index in self._speculating
+
+    def begin_micro(self, first: bool, last: bool) -> None:
+        super().begin_micro(first, last)
+        if first:
+            self._flushed.clear()
+            self._device_sq.clear()
+            self._speculating = self._speculative_units
+            if self._redone_last and self.speculative:
+                # Clipping tends to trigger again: no speculative step runs in backward, where it would be
+                # wasted host work. Each is held until the norm, then steps once in place, clipped or not, or is
+                # dropped for a redo on the device. Their norms are still taken on the device.
+                self._engine.hold_speculation()
+
+    def device_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | float:
+        # sum_squares reads a bf16 gradient once; torch's float64 path copies it to float64, squares and sums
+        # (2.5 ms at the end of each B1 step with clipping, run 33, against ~0.2 ms). Other dtypes take it.
+        fast, other = [], []
+        for g in grads:
+            (fast if g.dtype == torch.bfloat16 and g.is_contiguous() else other).append(g)
+        rest = super().device_sq_norm(other)
+        return torch.stack([ops.sum_squares(g) for g in fast]).sum() + rest if fast else rest
+
+    def grad_sq_norm(self) -> float:
+        units = sorted(self._flushed)
+        if self.speculative:
+            # Each unit's norm came with its last gradients, ahead of its speculative step; the norms of
+            # copies still in flight are announced already, so this waits for them too.
+            self._engine.wait_norms()
+            host = sum(self._engine.sq_norm(u) for u in units if u not in self._device_sq)
+            device = float(torch.stack(list(self._device_sq.values())).sum()) if self._device_sq else 0.0
+            return host + device
+        # The last gradient copies may still be in flight: their accumulate jobs are queued only when
+        # they land, and a norm job queued before them would read last micro-batch's sum.
+        self._engine.wait_all()
+        for u in units:
+            self._engine.run(u, self._jobs.NORM)
+        self._engine.wait_all()
+        return sum(self._engine.sq_norm(u) for u in units)
+
+    def clipped_step(self, scale: float) -> None:
+        on_device = self._device_redo_units & self._speculating & self._flushed if scale != 1.0 else frozenset()
+        for i in sorted(self._flushed):
+            if i not in self._speculating:  # it waited for the norm: its one step, clipped or not
+                self._engine.run(i, self._jobs.SCALE_STEP, scale)
+            elif scale != 1.0 and i not in on_device:  # clipping triggered: redo every speculative step exactly,
+                self._engine.redo(i, scale)            # the lowest unit first
+        for i in sorted(on_device):  # the lowest first: the next forward reaches them in that order
+            self._redo_on_device(i, scale)
+        # Held since the norm was known: speculative steps not yet started now step in place (clipped
+        # ones became scaled steps in redo()).
+        self._engine.release_speculation()
+        self._redone_last = scale != 1.0
+        if not self.asynchronous:
+            self._engine.wait_all()
+
+    def _redo_on_device(self, index: int, scale: float) -> None:
+        """Unit `index`'s clipped redo on the device: the engine drops its speculative step if not started (or
+        waits for it), the layer's fields then name the buffers to fill and `alt` the state before."""
+        self._engine.take_over(index)
+        layer = self._layers[index]
+        self._follow_swap(index, layer)
+        t, mixed = layer.trainable, layer.master is not None
+        live = (layer.master if mixed else layer.trainable_params, layer.exp_avg, layer.exp_avg_sq)
+        before = (layer.alt[0][:t], *layer.alt[1:])
+        ranges = [(self._hypers[g], a, b) for g, a, b in self._groups[index]]
+        # mixed: the stepped master rounded to bf16 also goes to the params the next forward copies
+        self._device_redo.redo(index, live, before, layer.grads[:t], ranges, scale,
+                               out=layer.trainable_params if mixed else None)
+
+    def _wait_device_redo(self, index: int) -> None:
+        if self._device_redo is not None:
+            self._device_redo.wait(index)
+
+    def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        self._wait_device_redo(index)  # its redo may still read the kept gradient this copy overwrites
+        if self._keep_grads:  # so may its last step's moments pass, which the forward did not wait for
+            self._engine.wait_unit(index, reason=f"u{index}'s moments pass, before its gradients land where it reads")
+        slot = None if index in self._own_grads else index % self._grad_slots
+        owner = self._slot_owner[slot] if slot is not None else index
+        if owner is not None and owner != index:
+            # Its step still reads this slot (the wait releases the GIL).
+            reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
+            self._engine.wait_unit(owner, reason=reason)
+        elif not self._keep_grads:
+            # The unit's own last job may still read the slot: an accumulate job of the micro-batch before, when
+            # the layer stayed on the device (no load() in between waited for it). Its params are what the job
+            # reads last; a trailing moments pass reads the accumulator, not the slot.
+            self._engine.wait_unit(index, reason=f"u{index}'s last host job, before its next gradients land where "
+                                   "it reads", params_only=True)
+        job = self._job(index)
+        device_norm = self._device_norm(index)
+        if device_norm:  # on the stream that produced src, before the copy: no host pass over it
+            self._device_sq[index] = ops.sum_squares(src)
+        event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
+                                  then_step=self._last_micro and index in self._speculating and not device_norm)
+        # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
+        if slot is not None:
+            self._slot_owner[slot] = index
+        self._flushed.add(index)
+        return event
+
+    def begin_step(self, hypers: list[Hyper]) -> None:
+        self._engine.check()  # a failed step from before surfaces here at the latest
+        self._hypers = list(hypers)
+        for group, h in enumerate(hypers):
+            self._engine.set_hyper(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, group=group)
+
+    def finish_step(self) -> float:
+        if self.asynchronous:
+            self._engine.check()
+            return 0.0
+        t0 = time.perf_counter()
+        self._engine.wait_all()
+        return time.perf_counter() - t0
+
+    def settle(self) -> None:
+        self._engine.wait_all()
+        if self._device_redo is not None:
+            self._device_redo.wait_all()
+        self._follow_swaps()
+
+    def _follow_swaps(self) -> None:
+        """Point each layer's state fields at the buffers its speculative steps left live."""
+        for i, layer in enumerate(self._layers):
+            self._follow_swap(i, layer)
+
+    def _follow_swap(self, index: int, layer: LayerBuffers) -> None:
+        if layer.alt and self._engine.swapped(index) != layer.swapped:
+            layer.swap_state()
+
+    def wait_seconds(self) -> float:
+        return self._engine.stats()["wait_seconds"]
+
+    def stats(self) -> dict[str, Any]:
+        redos = self._device_redo.count if self._device_redo is not None else 0
+        return {**self._engine.stats(), **self._engine.memory_stats(), "device_redos": redos}
+
+    def set_copy_delay(self, max_us: int) -> None:
+        self._engine.set_debug_delay_us(int(max_us))
+
+    def set_step_delay(self, us: int) -> None:
+        self._engine.set_debug_step_delay_us(int(us))
+
+    def fail_next_step(self) -> None:
+        self._engine.inject_failure()
+
+    def fail_next_copy(self) -> None:
+        self._engine.fail_next_copy()
+
+    def fault_next_copy(self) -> None:
+        if self.device.type != "cpu":
+            raise NotImplementedError("fault_next_copy simulates a device fault on the simulated device "
+                                      "(device='cpu') only; on CUDA cause a real one (a device-side assert)")
+        self._engine.fault_next_copy()
+
+    def pending_units(self) -> list[int]:
+        return [i for i in range(self._count) if not self._engine.ready(i)]
+
+    def start_trace(self) -> None:
+        self._engine.start_trace()
+        if self._device_redo is not None:
+            self._device_redo.start_trace()
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        redos = self._device_redo.stop_trace() if self._device_redo is not None else []
+        return [tuple(e) for e in self._engine.stop_trace()] + redos
+
+    def close(self) -> str | None:
+        # The copy streams are checked and synchronized before the host steps are waited for: after a device
+        # fault no copy lands, and a wait for their steps would never end.
+        error = self._engine.close() or None
+        if self._device_redo is not None:
+            try:
+                self._device_redo.wait_all()
+            except RuntimeError as e:
+                error = error or str(e)
+        self._follow_swaps()
+        return error
+
+    def fail(self, why: str) -> None:
+        self._engine.fail(why)
+
+    def release_memory(self) -> None:
+        self._ring = []
+        self._engine.release_free_memory()

@@ -1,0 +1,364 @@
+"""The pure-PyTorch backend: torch streams and events, pinned tensors, torch's fused AdamW after backward.
+
+It is the honest baseline for the native backend: the same hooks and layout, and a copy is never
+used before it has landed (in forward and in activation-checkpointing recompute alike). Its CPU step
+runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
+land, so the first layers are stepped while the GPU finishes backward ("bf16-sr": the same in
+stochastic_rounding's torch ops, the native kernel's reference). On the simulated device, copies run
+on one worker thread per direction and events are futures.
+
+Pinned buffers come from one host allocation, faulted in by torch's threads and then page-locked with a
+single cudaHostRegister: torch's pin_memory would round each layer's buffer up to a power of two and
+page-lock it in the driver page by page (2-3 s for B1's 4 GB).
+"""
+from __future__ import annotations
+
+import random
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.timeline import Timeline, span
+from offload_ext.optim.stochastic_rounding import adamw_step_sr
+from offload_ext.planning import host_sizes
+from offload_ext.planning.host_sizes import (
+    PYTHON_ALIGN,
+    HostNeed,
+    aligned,
+    python_alternatives,
+    python_arena_elements,
+    python_host_need,
+)
+
+
+class _CudaCopies:
+    _CYCLES_PER_US = 1000  # torch.cuda._sleep spins for GPU clock cycles: about one per ns
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+             stall_us: int = 0, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if stall_us:
+                torch.cuda._sleep(stall_us * self._CYCLES_PER_US)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def compute_wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def host_wait(event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+
+class _ThreadCopies:
+    """Simulated device: compute is the calling thread; each direction is an in-order worker."""
+
+    def __init__(self) -> None:
+        self.h2d = ThreadPoolExecutor(1, thread_name_prefix="offload-h2d")
+        self.d2h = ThreadPoolExecutor(1, thread_name_prefix="offload-d2h")
+
+    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor, stall_us: int = 0,
+             after: None = None) -> Future:
+        if not stall_us:
+            return stream.submit(dst.copy_, src)
+
+        def stalled() -> None:
+            time.sleep(stall_us / 1e6)
+            dst.copy_(src)
+
+        return stream.submit(stalled)
+
+    def compute_wait(self, event: Future) -> None:
+        event.result()
+
+    host_wait = compute_wait
+
+
+class _PinnedArena:
+    """Views into one host tensor, page-locked as a whole on CUDA (plain memory on the simulated device)."""
+
+    ALIGN = PYTHON_ALIGN
+
+    def __init__(self, numel: int, dtype: torch.dtype, lock: bool) -> None:
+        self.tensor = torch.empty(numel + self.ALIGN, dtype=dtype)  # slack to start on a page
+        self.tensor.zero_()  # faults the pages in on torch's threads, before the driver locks them
+        self._used = (-self.tensor.data_ptr() % 4096) // self.tensor.element_size()
+        self._unlock = None
+        if lock:
+            cudart = torch.cuda.cudart()
+            ptr = self.tensor.data_ptr()
+            err = cudart.cudaHostRegister(ptr, self.tensor.nbytes, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(f"Offloader (python backend): cudaHostRegister of {self.tensor.nbytes / 2**30:.2f} "
+                                   f"GiB failed: {cudart.cudaGetErrorString(err)}; free host memory or raise the "
+                                   "locked-memory limit (ulimit -l)")
+            self._unlock = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
+
+    @classmethod
+    def footprint(cls, numel: int) -> int:
+        return aligned(numel, cls.ALIGN)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """The next `numel` elements (the arena is sized in prepare() for every buffer to come)."""
+        end = self._used + self.footprint(numel)
+        if end > self.tensor.numel():
+            raise RuntimeError(f"Offloader (python backend): the pinned arena has no room for {numel} more "
+                               "elements; prepare() was told fewer or smaller layers than new_layer() asks for")
+        view = self.tensor[self._used:self._used + numel]
+        self._used = end
+        return view
+
+    def release(self) -> None:
+        if self._unlock is not None:
+            self._unlock()
+
+
+class PythonBackend(Backend):
+    def __init__(self, device: torch.device, precision: str, accumulate: bool = False, sr_seed: int = 0,
+                 **_: Any) -> None:
+        super().__init__(device, precision, accumulate)
+        self._sr_seed = sr_seed
+        self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
+        self._pin = device.type == "cuda"
+        self._layers: list[LayerBuffers] = []
+        # What torch's AdamW steps: per layer, (group, parameter, begin, end) for each group range.
+        self._params: list[list[tuple[int, torch.nn.Parameter, int, int]]] = []
+        self._fp32_grads: list[torch.Tensor] = []       # mixed: grads upcast for torch's fp32 AdamW
+        self._optimizer: torch.optim.AdamW | None = None
+        self._pending: list[tuple[int, Any]] = []
+        self._unfolded: dict[int, tuple[Any, bool]] = {}  # layer -> (D2H event, first micro-batch)
+        self._accumulated: set[int] = set()  # layers with a gradient sum this step
+        self._hypers: list[Hyper] = []
+        self._timeline: Timeline | None = None  # while tracing: its own host steps and waits
+        self._torch_groups: list[int] = []
+        self._arena: _PinnedArena | None = None
+        self._copy_delay_us = 0  # testing aids: see Backend
+        self._fail_next_copy = False
+        self._fail_next_step = False
+
+    def host_need(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> HostNeed:
+        """The host buffers prepare() and new_layer() will take for these units."""
+        return python_host_need(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
+
+    def plan(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        alternatives = python_alternatives(self.precision, tuple(sizes), tuple(own_grads), self.accumulate)
+        host_sizes.check_host_memory(self.host_need(sizes, own_grads), host_sizes.available_host_bytes(), alternatives)
+
+    def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
+        """One pinned arena for every layer's params and grads."""
+        elements = python_arena_elements(tuple(sizes), tuple(own_grads))
+        self._arena = _PinnedArena(elements, torch.bfloat16, self._pin)
+
+    def _pinned(self, numel: int) -> torch.Tensor:
+        assert self._arena is not None, "prepare() was not called"
+        return self._arena.take(numel)
+
+    def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
+                  groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
+        # Here every layer has a grad buffer of its own, so own_grads changes nothing.
+        params = self._pinned(numel)
+        state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
+        layer = LayerBuffers(
+            params=params,
+            grads=self._pinned(trainable),  # always written by a D2H before use
+            exp_avg=torch.zeros(trainable, dtype=state_dtype),
+            exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
+            master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
+            trainable=trainable,
+            accum=torch.empty(trainable, dtype=torch.bfloat16) if self.accumulate else None,
+        )
+        stepped = layer.master if self.precision == "mixed" else layer.trainable_params
+        if self.precision == "mixed":
+            self._fp32_grads.append(torch.empty(trainable, dtype=torch.float32))
+        # One torch parameter per group range (views), each in its group's torch param group; its .grad
+        # is set only while _step_layers steps it.
+        ranges = groups or ((0, 0, trainable),)
+        self._params.append([(g, torch.nn.Parameter(stepped[b:e]), b, e) for g, b, e in ranges])
+        self._layers.append(layer)
+        self._optimizer = None  # rebuilt lazily over all layers
+        return layer
+
+    def arena_bounds(self) -> tuple[int, int]:
+        """Start and end address of the one pinned arena every params and grads buffer lies in."""
+        assert self._arena is not None, "prepare() was not called"
+        t = self._arena.tensor
+        return t.data_ptr(), t.data_ptr() + t.nbytes
+
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        if self._fail_next_copy:
+            self._fail_next_copy = False
+            raise RuntimeError("PythonBackend: injected copy failure (fail_next_copy)")
+        stall_us = random.randint(0, self._copy_delay_us) if self._copy_delay_us else 0
+        return self._copies.copy(stream, dst, src, stall_us, after)
+
+    def load(self, index: int, layer: LayerBuffers, dst: torch.Tensor, after: Any = None) -> Any:
+        return self._copy(self._copies.h2d, dst, layer.params, after)
+
+    def compute_wait(self, event: Any) -> None:
+        self._copies.compute_wait(event)
+
+    def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
+        if index in self._unfolded:
+            self._fold(index)  # the previous micro-batch's copy must be added before it is overwritten
+        event = self._copy(self._copies.d2h, layer.grads, src)
+        if self.accumulate:
+            self._unfolded[index] = (event, self._first_micro)
+        if self._last_micro:
+            self._pending.append((index, event))
+        return event
+
+    def _fold(self, index: int) -> None:
+        """Add a landed micro-batch gradient into the layer's accumulator (bf16, like torch's .grad)."""
+        event, first = self._unfolded.pop(index)
+        self._copies.host_wait(event)
+        layer = self._layers[index]
+        if first:
+            layer.accum.copy_(layer.grads)
+        else:
+            layer.accum.add_(layer.grads)
+        self._accumulated.add(index)
+
+    def begin_micro(self, first: bool, last: bool) -> None:
+        super().begin_micro(first, last)
+        if first:
+            self._accumulated.clear()
+
+    def grad_sq_norm(self) -> float:
+        return sum(float(self._layers[i].accum.double().pow(2).sum()) for i in sorted(self._accumulated))
+
+    def clipped_step(self, scale: float) -> None:
+        for i in self._accumulated:
+            self._layers[i].accum.mul_(scale)
+        self._step_layers(set(self._accumulated))
+
+    def begin_step(self, hypers: list[Hyper]) -> None:
+        self._hypers = hypers
+
+    def _torch_optimizer(self) -> torch.optim.AdamW:
+        if self._optimizer is None:
+            by_group: dict[int, list[torch.nn.Parameter]] = {}
+            for ranges in self._params:
+                for g, p, _, _ in ranges:
+                    by_group.setdefault(g, []).append(p)
+            self._torch_groups = sorted(by_group)  # the Offloader's group of each torch param group
+            self._optimizer = torch.optim.AdamW([{"params": by_group[g]} for g in self._torch_groups], lr=1e-3,
+                                                fused=True)
+            for ranges, layer in zip(self._params, self._layers):
+                for _, p, b, e in ranges:
+                    # Views of the layer's moment buffers, so state_dict/load_state_dict see one truth.
+                    self._optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": layer.exp_avg[b:e],
+                                                "exp_avg_sq": layer.exp_avg_sq[b:e]}
+        return self._optimizer
+
+    def finish_step(self) -> float:
+        """Step each layer as soon as its gradient copy has landed, in arrival order, rather than
+        waiting for every copy first."""
+        assert self._hypers, "begin_step was not called"
+        waited = 0.0
+        pending, self._pending = self._pending, []
+        for index, event in pending:
+            t0 = time.perf_counter()
+            with span(self._timeline, "wait", f"u{index}'s gradient copy", index):
+                self._copies.host_wait(event)
+            if index in self._unfolded:
+                self._fold(index)
+            waited += time.perf_counter() - t0
+            with span(self._timeline, "host step", f"step u{index}", index):
+                self._step_layers({index})
+        t0 = time.perf_counter()
+        for index in list(self._unfolded):  # accumulation without a step here (clipping comes next)
+            self._fold(index)
+        return waited + time.perf_counter() - t0
+
+    def _step_layers(self, stepped: set[int]) -> None:
+        """torch's fused AdamW over the layers in `stepped`, from their gradient (sum)."""
+        if self._fail_next_step:
+            self._fail_next_step = False
+            raise RuntimeError(f"PythonBackend: injected failure while stepping layers {sorted(stepped)}")
+        if self.precision == "bf16-sr":
+            self._step_layers_sr(stepped)
+            return
+        opt = self._torch_optimizer()
+        for g, group in zip(self._torch_groups, opt.param_groups):
+            h = self._hypers[g]
+            group.update(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
+        for i in stepped:  # torch's AdamW steps exactly the parameters that have a .grad
+            layer = self._layers[i]
+            grad = layer.accum if layer.accum is not None else layer.grads
+            if self.precision == "mixed":
+                grad = self._fp32_grads[i].copy_(grad)
+            for _, p, b, e in self._params[i]:
+                opt.state[p]["step"].fill_(self._hypers[0].step - 1)  # torch's fused step increments it
+                p.grad = grad[b:e]
+        opt.step()
+        for i in stepped:
+            for _, p, _, _ in self._params[i]:
+                p.grad = None
+            if self.precision == "mixed":
+                self._layers[i].trainable_params.copy_(self._layers[i].master)
+
+    def _step_layers_sr(self, stepped: set[int]) -> None:
+        """The layers in `stepped` stepped with stochastic rounding: layer i draws stream i (the engine's
+        unit i), each group range from its offset in the layer."""
+        for i in stepped:
+            layer = self._layers[i]
+            grad = layer.accum if layer.accum is not None else layer.grads
+            for g, _, b, e in self._params[i]:
+                h = self._hypers[g]
+                adamw_step_sr(layer.params[b:e], grad[b:e], layer.exp_avg[b:e], layer.exp_avg_sq[b:e], lr=h.lr,
+                              beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=h.step,
+                              sr_seed=self._sr_seed, sr_stream=i, sr_offset=b)
+
+    def start_trace(self) -> None:
+        self._timeline = Timeline()
+
+    def stop_trace(self) -> list[tuple[str, str, int, int, int]]:
+        timeline, self._timeline = self._timeline, None
+        return timeline.events if timeline is not None else []
+
+    def set_copy_delay(self, max_us: int) -> None:
+        self._copy_delay_us = max(0, int(max_us))
+
+    def set_step_delay(self, us: int) -> None:
+        raise NotImplementedError("PythonBackend cannot delay its host steps: it steps every layer inside step(), "
+                                  "after backward, so there is no step running alongside the device to slow down; "
+                                  "use backend='native'")
+
+    def fail_next_step(self) -> None:
+        self._fail_next_step = True
+
+    def fail_next_copy(self) -> None:
+        self._fail_next_copy = True
+
+    def pending_units(self) -> list[int]:
+        return []  # every host step finishes inside finish_step or clipped_step
+
+    def close(self) -> str | None:
+        error = None
+        if self._arena is not None:
+            if self._pin:
+                try:
+                    torch.cuda.synchronize(self.device)  # no copy may still use the memory being unlocked
+                except RuntimeError as e:  # a device fault: the context is gone, and its copies with it
+                    error = str(e)
+            self._arena.release()
+        return error
+
+    def release_memory(self) -> None:
+        self._optimizer = None  # its state holds views of the moments
+        self._params, self._fp32_grads = [], []

@@ -1,0 +1,583 @@
+"""Offloader: streams a model's layer stacks from host memory through a few device buffers, and owns
+the optimizer (host AdamW for streamed layers, a device AdamW for everything else).
+
+It composes the parts, each in its own module: the layout (what is streamed, where each parameter
+lives in its unit's flat buffers), the host fill, the device ring (which layer each device buffer
+holds), the gradient path (hooks that gather and flush each unit's gradients), the step policy (when a
+unit may be stepped), the device optimizer for the rest, and the state. Hooks never know which
+backend runs. It is a torch.optim.Optimizer, so torch's LR schedulers drive its `param_groups`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ext.config import Options, check_hyper, resolve_device
+from offload_ext.engine.activation_offload import HostActivations, Key
+from offload_ext.engine.backends import Backend, Hyper, LayerBuffers, make_backend
+from offload_ext.engine.device_ring import DeviceRing
+from offload_ext.engine.grad_path import GradPath
+from offload_ext.engine.host_fill import fill_unit
+from offload_ext.engine.kept_layers import (
+    SavedWeights,
+    auto_kept,
+    check_checkpointing,
+    checkpointed_count,
+    device_budget,
+)
+from offload_ext.engine.layers import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    hf_checkpointing_enabled,
+    unwrap_layer,
+    wrap_layer,
+)
+from offload_ext.engine.state import (
+    check_state,
+    host_sources,
+    host_state,
+    load_host_state,
+    model_weights,
+    read_host_state,
+    span_names,
+    weight_sources,
+)
+from offload_ext.engine.timeline import Timeline, span
+from offload_ext.models.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from offload_ext.models.weights import (
+    WeightSource,
+    check_materialized,
+    from_config_empty,
+    from_pretrained_empty,
+    materialize,
+)
+from offload_ext.optim.device_optimizer import DeviceOptimizer
+from offload_ext.optim.param_groups import HYPER_KEYS, build_groups
+from offload_ext.planning.layout import Layout
+from offload_ext.planning.memory import Settings, choose
+from offload_ext.planning.plan import check_device_memory
+
+_STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
+
+
+
+def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
+    """What runs before stack position i's forward: its weights bound, and in its checkpoint recompute
+    (inside backward) its gradient buffer made ready for the gradients about to come. A kept layer's
+    backward begins with it too (called inside backward, it does what the recompute does)."""
+    def before() -> None:
+        recompute = torch._C._current_graph_task_id() != -1
+        ring.before_layer(i, recompute)
+        if recompute:
+            path.before_backward(i)
+            ring.upload_stepped()
+    return before
+
+class Offloader(torch.optim.Optimizer):
+    """Full CPU offload of a model's layer stacks for training on one device.
+
+    off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
+    loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
+
+    max_grad_norm: clip by the global norm as torch.nn.utils.clip_grad_norm_ does; a non-finite norm raises
+    FloatingPointError as clip_grad_norm_(error_if_nonfinite=True) does, never an unscaled step, and leaves
+    the Offloader failed (the layers that stepped speculatively keep that step): close() it and resume.
+    Any error a step ends in leaves it failed the same way: every later call raises it until close(),
+    which returns whatever failed.
+
+    precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
+    stochastic rounding drawn from `sr_seed`: see offload_ext.optim.stochastic_rounding) or "mixed" (fp32 masters
+    and moments).
+
+    activation_checkpointing: "all" (every streamed and resident layer recomputes in backward), "none", N
+    (the lowest N layers of each stack recompute, the rest keep their saved tensors) or "auto" (the first
+    step keeps the top layer and measures what it saves; from the second on, as many of the top layers are
+    kept as `gpu_memory_budget` bytes allow: on a GPU the process's peak, by default what it may allocate
+    less 5 % and 1 GiB; on the simulated device the kept layers' saved bytes). See offload_ext.engine.kept_layers.
+    activation_offload: the input each checkpointed layer keeps waits in pinned host memory between its
+    forward and its backward (offload_ext.engine.activation_offload).
+
+    device_redo_layers: with speculative clipping in "bf16" or "mixed" (one micro-batch a step), when clipping
+    triggers the top N layers of each stack are redone on the device while the host redoes the rest
+    (offload_ext.engine.device_redo); None: a third of each stack. Their moments (and "mixed"'s masters) are
+    page-locked, and the device holds two pieces of params, moments and gradients for it.
+
+    eager_uploads: with a device buffer per streamed layer (device_layers at least the stack's), no clipping
+    and the native backend's background steps, a layer's new weights are copied up as soon as its host step
+    is done, inside the last backward, instead of when the next forward binds it. False keeps the copy at
+    the bind (offload_ext.engine.device_ring).
+
+    host_nice: the native engine's host-step threads' niceness, 0-19 (0: the process's own priority). Above 0,
+    a thread of normal priority that wakes on a CPU they hold (autograd's, launching the backward's kernels;
+    the CUDA driver's callbacks) takes it from them at once, where the kernel's fair share would let it wait.
+
+    params_first: the native engine runs each host step taken after the clipping norm has clipped (a redo, a
+    clipped step) as two passes: the params, which the next forward's copy of the layer waits for, then the
+    moments, behind every other layer's work. Both compute the whole update, so the bits are those of one pass.
+    False: one pass (less host memory traffic in all, a longer wait).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        precision: str = "bf16",
+        backend: str = "native",
+        device: str | torch.device = "cuda",
+        *,
+        compile_layers: bool = False,
+        num_threads: int | None = None,
+        pin_threads: bool = True,
+        grad_slots: int | None = None,
+        slice_elements: int | None = None,
+        device_layers: int = 2,
+        offload_all: bool = False,
+        grad_accum: int = 1,
+        max_grad_norm: float | None = None,
+        async_step: bool | None = None,
+        groups: Sequence[dict[str, Any]] | None = None,
+        no_decay: Sequence[str] = (),
+        speculative_clip: bool = True,
+        accumulate_on_device: bool | None = None,
+        resident_layers: int = 0,
+        device_redo_layers: int | None = None,
+        weights: WeightSource | None = None,
+        sr_seed: int = 0,
+        activation_checkpointing: str | int = "all",
+        gpu_memory_budget: int | None = None,
+        activation_offload: bool = False,
+        eager_uploads: bool = True,
+        host_nice: int = 0,
+        params_first: bool = True,
+    ) -> None:
+        Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
+                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step, host_nice)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        specs, group_of = build_groups(model, groups, no_decay)
+        for spec in specs:
+            check_hyper(**(defaults | {k: v for k, v in spec.items() if k != "params"}))
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
+        self.device = resolve_device(device)
+        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                            resident_layers=resident_layers, device_redo_layers=device_redo_layers,
+                            activation_checkpointing=activation_checkpointing,
+                            activation_offload=activation_offload)
+        choices = choose(model, settings, self.device, group_of)
+        self.layout: Layout = choices.layout
+        check_checkpointing(activation_checkpointing, self.layout.fewest_stack_layers, gpu_memory_budget, self.device)
+        super().__init__(specs, defaults)
+        self.model = model
+        self.precision, self.backend_name = precision, backend
+        self._sr_seed = sr_seed if precision == "bf16-sr" else None  # saved with the state: a resume continues it
+        self.last_step_wait = 0.0
+        self._step = 0
+        self._closed = False
+        self._failed: str | None = None  # the error a step ended in: every later call raises it until close()
+        self._timeline: Timeline | None = None
+        self._policy = choices.policy
+        self._hf_checkpointing = hf_checkpointing_enabled(model)
+        if self._hf_checkpointing:
+            disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
+        self._backend: Backend = make_backend(
+            backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads, host_nice=host_nice,
+            params_first=params_first,
+            slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options(),
+            sr_seed=sr_seed)
+        # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.
+        self._backend.plan(choices.sizes, choices.own_grads)
+        check_device_memory(model, settings, choices, self.device, group_of)
+        check_materialized(model, weights)
+        t0 = time.perf_counter()
+        for p in self.layout.device_params:  # before the host buffers: what it reads on the way is freed first
+            if p.is_meta:
+                materialize(weights, p, self.device)
+        self._backend.prepare(choices.sizes, choices.own_grads)
+        t1 = time.perf_counter()
+        # The part outside the stacks has its own gradient buffer; layers may share a staging ring.
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as readers:
+            self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
+                                                        weights=weights, pool=readers)
+                                              for part in self.layout.parts for u in part.units]
+        self._rings, self._grad_paths = self._device_side(device_layers, eager_uploads)
+        t2 = time.perf_counter()
+        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
+                                           self._hyper_dicts(), group_of, sr_seed)
+        self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
+        for path in self._grad_paths:
+            path.hook()
+        self._compile_layers = compile_layers
+        self._saved = SavedWeights(self._rings[:len(self.layout.stacks)])
+        self._host_activations = HostActivations(self.device) if activation_offload else None
+        self.activation_checkpointing = activation_checkpointing
+        self._budget = gpu_memory_budget
+        self.auto_choice: dict[str, int] | None = None  # "auto"'s measured choice, from the second step on
+        self._checkpointed = checkpointed_count(activation_checkpointing, self.layout.fewest_stack_layers)
+        self._saved.measuring = activation_checkpointing == "auto"
+        self._wrap_layers()
+        self._restart_rings()
+
+    def _wrap_layers(self) -> None:
+        """Each stack's lowest `self._checkpointed` layers (resident ones first) recompute, the rest are kept."""
+        r = self.layout.resident_per_stack
+        for k, (stack, ring, path) in enumerate(zip(self.layout.stacks, self._rings, self._grad_paths)):
+            for j, layer in enumerate(self.layout.resident[k * r:(k + 1) * r]):
+                unwrap_layer(layer)  # nothing to fetch: kept, their saved tensors need no reference either
+                wrap_layer(layer, lambda: None, self._compile_layers,
+                           None if j < self._checkpointed else (self._saved, lambda: None), self._host_slot(k, j))
+            for i, layer in enumerate(stack.layers):
+                before = _before_layer(ring, path, i)
+                kept = None if r + i < self._checkpointed else (self._saved, before)
+                unwrap_layer(layer)
+                wrap_layer(layer, before, self._compile_layers, kept, self._host_slot(k, r + i))
+
+    def _host_slot(self, stack: int, position: int) -> tuple[HostActivations, Key, Key | None] | None:
+        """With activation_offload, where a checkpointed layer's input waits: its key, and the layer below's."""
+        if self._host_activations is None or position >= self._checkpointed:
+            return None
+        return self._host_activations, (stack, position), (stack, position - 1) if position else None
+
+    @property
+    def kept_layers(self) -> int:
+        """How many layers of each stack run without recompute (their saved tensors kept until backward)."""
+        return self.layout.fewest_stack_layers - self._checkpointed
+
+    def _choose_kept(self, grown: int) -> None:
+        """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
+        costing what the top layer saved in that step's first forward, on top of that step's peak and what the
+        device step left allocated (`grown` bytes)."""
+        if self.device.type == "cuda":
+            budget = self._budget if self._budget is not None else device_budget(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # no allocator to ask: the budget is the kept layers' alone
+            budget, peak = self._budget, self._saved.saved_bytes
+        kept = auto_kept(self.layout.fewest_stack_layers, self._saved.saved_bytes, budget, peak + grown)
+        self._checkpointed = self.layout.fewest_stack_layers - kept
+        self.auto_choice = {"kept_layers": kept, "saved_bytes_per_layer": self._saved.saved_bytes,
+                            "budget_bytes": budget, "first_step_peak_bytes": peak, "device_step_growth_bytes": grown}
+        self._wrap_layers()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> Offloader:
+        """An Offloader over a causal LM's safetensors checkpoint (a local directory or a hub id), read
+        tensor by tensor straight into the host buffers and the device: the model is built on the meta
+        device and the weights are never whole in memory twice. The model is `off.model`; keyword
+        arguments are the constructor's."""
+        model, weights = from_pretrained_empty(name_or_path)
+        return cls(model, weights=weights, **kwargs)
+
+    def _device_side(self, device_layers: int, eager_uploads: bool) -> tuple[list[DeviceRing], list[GradPath]]:
+        """Per part, the device buffers: `device_layers` for weights (one for the part outside the
+        stacks, bound throughout) and up to two for gradients."""
+        rings, paths = [], []
+        for part in self.layout.parts:
+            host = [self._host[u.index] for u in part.units]
+            buffers = min(len(part.units), device_layers) if part.layers else 1
+            # Eager uploads only where a step, once queued, is final: no clipping redoes it, and the
+            # backend steps in the background (the python backend steps inside step()).
+            eager = (eager_uploads and bool(part.layers) and self._backend.asynchronous
+                     and self._policy.max_grad_norm is None)
+            ring = DeviceRing(part, host, self._backend, buffers, eager)
+            rings.append(ring)
+            paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device,
+                                  on_flush=ring.flushed))
+        return rings, paths
+
+    # ------------------------------------------------------------------ training API
+
+    @property
+    def grad_accum(self) -> int:
+        return self._policy.grad_accum
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._policy.max_grad_norm
+
+    @property
+    def last_clip_action(self) -> str | None:
+        """With max_grad_norm, what the last step did: "committed" (its speculative host steps stood, the norm
+        was under the limit) or "redone" (they were redone exactly, clipped); without speculation
+        ("speculative_clip=False" or the python backend) "unclipped" or "clipped"."""
+        return self._policy.last_clip_action
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (with max_grad_norm), before clipping."""
+        return self._policy.last_grad_norm
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Offloader: already closed; build a new Offloader to train again")
+        if self._failed is not None:
+            raise RuntimeError(f"Offloader: an earlier step failed ({self._failed}); its layers may be at "
+                               "different steps: close() it and continue from a checkpoint")
+
+    def _hyper_dicts(self) -> list[dict[str, Any]]:
+        return [{k: group[k] for k in HYPER_KEYS} for group in self.param_groups]
+
+    def _hypers(self) -> list[Hyper]:
+        hypers = []
+        for h in self._hyper_dicts():
+            check_hyper(**h)  # a scheduler or a user may have set them
+            hypers.append(Hyper(h["lr"], h["betas"][0], h["betas"][1], h["eps"], h["weight_decay"], self._step + 1))
+        return hypers
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land.
+
+        With grad_accum=N, call it N times per step(): the first N-1 only sum each layer's gradients on
+        the host; the N-th steps each layer as its summed gradients are complete. With max_grad_norm,
+        every layer's gradients are kept until step(), which clips by the global norm and then steps.
+        The hyperparameters are read from param_groups here.
+        """
+        self._check_open()
+        hypers = self._hypers()
+        self._saved.measuring = False  # "auto" counts what the first micro-batch's forward saved
+        self._policy.begin_backward(self._backend)
+        first, last = self._policy.micro == 1, self._policy.micro == self._policy.grad_accum
+        for path, ring in zip(self._grad_paths, self._rings):
+            path.begin_micro(first=first, last=last)
+            ring.begin_backward(last)
+        for path in self._grad_paths:
+            path.armed = True
+        try:
+            self._backend.begin_step(hypers)
+            with span(self._timeline, "python", "backward"):
+                loss.backward()
+        except BaseException as e:
+            self._fail(e)  # some layers' gradients may have gone to their host steps, others not
+            raise
+        finally:
+            for path in self._grad_paths:
+                path.armed = False
+
+    def step(self, closure: None = None) -> None:
+        """Finish the host steps of this backward, step the device parameters, prefetch layer 0.
+
+        With async_step (the native default), layers still being stepped on the host when this returns
+        finish in the background; each layer's next use (forward, state_dict, close) waits for its own.
+        """
+        if closure is not None:
+            raise ValueError("Offloader.step: closures are not supported; call backward() then step()")
+        self._check_open()
+        self._policy.check_step()
+        try:
+            with span(self._timeline, "python", "step"):
+                self._finish_step()
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, error: BaseException) -> None:
+        """A step ended in `error`: some units may have stepped and others not, so nothing may train on, or be
+        saved, from here; the engine runs none of the host steps still queued."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+            self._backend.fail(self._failed)
+
+    def _finish_step(self) -> None:
+        self.last_step_wait = self._backend.finish_step()
+        names: dict[int, str] = {}
+
+        def name_of(p: nn.Parameter) -> str:  # only for an error's message: a walk of the model per step cost
+            if not names:                     # ~1,400 Python calls on a 16-layer model
+                names.update({id(q): n for n, q in self.model.named_parameters()})
+            return names.get(id(p), "?")
+        for path in self._grad_paths:
+            path.check_complete(name_of)
+        self._policy.finish_host_units(self._backend, self._device_opt.grads())
+        choosing = self.activation_checkpointing == "auto" and self.auto_choice is None
+        before = torch.cuda.memory_allocated(self.device) if choosing and self.device.type == "cuda" else 0
+        self._device_opt.step(self._hyper_dicts())
+        self._step += 1
+        self._policy.end_step()
+        if choosing:
+            # torch's AdamW makes its state at its first step, after the backward that peaked: every later
+            # backward has it too (B2's 4.2 GB of moments, an OOM under 24 GB without it, run 48).
+            grown = torch.cuda.memory_allocated(self.device) - before if self.device.type == "cuda" else 0
+            self._choose_kept(max(0, grown))
+        self._restart_rings()
+
+    @contextlib.contextmanager
+    def trace(self, path: str | None = None) -> Iterator[Timeline]:
+        """Record a timeline of what runs inside the block (see offload_ext.engine.timeline); at its end the host
+        steps still running are waited for, so they are on it, and it is written to `path` when given."""
+        self._check_open()
+        if self._timeline is not None:
+            raise RuntimeError("Offloader.trace: already tracing; nest no second trace() inside the first")
+        timeline = Timeline()
+        self._set_timeline(timeline)
+        self._backend.start_trace()
+        try:
+            yield timeline
+        finally:
+            if not self._policy.micro:
+                self._backend.settle()
+            timeline.extend(self._backend.stop_trace())
+            self._set_timeline(None)
+        if path is not None:
+            timeline.write(path)
+
+    def _set_timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        for ring in self._rings:
+            ring.timeline = timeline
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Streamed layers' grads are consumed by their hooks; this clears the device parameters'."""
+        self._device_opt.zero_grad()
+
+    def _restart_rings(self, stepped: bool = True) -> None:
+        for ring in self._rings:
+            ring.restart(stepped)
+        if self.layout.outside is not None:
+            self._rings[-1].bind(0)  # used from the first op on: the compute stream waits for it
+
+    # ------------------------------------------------------------------ state
+
+    def _settle(self) -> None:
+        """Between steps, with every host step finished: the host buffers may be read or written."""
+        if self._policy.micro:
+            raise RuntimeError("Offloader: call step() before saving, loading or closing")
+        self._backend.settle()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._check_open()
+        self._settle()
+        return {**self._small_state(), "layers": host_state(self._host)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_open()
+        self._settle()
+        self._check_small_state(state)
+        load_host_state(self._host, state["layers"])
+        self._load_small_state(state)
+
+    def save_state(self, path: str) -> None:
+        """state_dict() written to a directory without a copy of the host buffers in memory: they go to
+        engine_state.safetensors straight from where they live, the rest (step, groups, the device
+        optimizer) to engine_state.pt. load_state(path) reads it back."""
+        self._check_open()
+        self._settle()
+        write_safetensors(path, host_sources(self._host), stem=_STATE_STEM)
+        small = os.path.join(path, _STATE_STEM + ".pt")
+        torch.save(self._small_state(), small + ".partial")
+        os.replace(small + ".partial", small)
+
+    def load_state(self, path: str) -> None:
+        """Restore what save_state(path) wrote, reading the host buffers straight into place; everything
+        is checked against this Offloader before any of it is written."""
+        self._check_open()
+        self._settle()
+        # weights_only: a state file is data; unpickling arbitrary objects from it could run code.
+        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=True)
+        self._check_small_state(state)
+        read_host_state(self._host, SafetensorsCheckpoint(path, stem=_STATE_STEM))
+        self._load_small_state(state)
+
+    def _small_state(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"step": self._step, "precision": self.precision, "param_groups": groups,
+                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict(),
+                "sr_seed": self._sr_seed}
+
+    def _check_small_state(self, state: dict[str, Any]) -> None:
+        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups), self._sr_seed)
+
+    def _load_small_state(self, state: dict[str, Any]) -> None:
+        self._device_opt.load_state_dict(state["outer"])
+        self._step = int(state["step"])
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        self._restart_rings(stepped=False)
+
+    @classmethod
+    def from_config(cls, config: Any, seed: int = 0, **kwargs: Any) -> Offloader:
+        """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
+        module's weights drawn by the model's own init rule straight into the host buffers and the device,
+        the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
+        # Drawn on the training device: a GPU draws 8 B parameters in seconds, the CPU took minutes (run 35).
+        model, weights = from_config_empty(config, seed=seed, device=resolve_device(kwargs.get("device", "cuda")))
+        return cls(model, weights=weights, **kwargs)
+
+    def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:
+        """Write the model as transformers does (config.json, safetensors shards of at most max_shard_size
+        bytes and their index), straight from where the weights live: one tensor in memory at a time,
+        each file complete under its name or not there. `AutoModelForCausalLM.from_pretrained(path)`
+        and `Offloader.from_pretrained(path)` load it. Returns the weight files written."""
+        self._settle()
+        files = write_safetensors(path, weight_sources(self.model, self.layout, self._host), max_shard_size)
+        self.model.config.save_pretrained(path)
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(path)
+        return files
+
+    def model_state_dict(self, include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        """The model's weights by name, as CPU tensors (streamed ones read from the host buffers); with
+        `include`, only the names it accepts are copied (a LoRA adapter out of a large model)."""
+        self._settle()
+        return model_weights(self.model, self.layout, self._host, include)
+
+    def stats(self) -> dict[str, Any]:
+        setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
+        return {"step": self._step, "last_step_wait_s": self.last_step_wait,
+                "host_wait_s": self._backend.wait_seconds(),
+                "layer_copies_h2d": sum(r.copies for r in self._rings),
+                "early_layer_copies": sum(r.early for r in self._rings), "kept_layers": self.kept_layers,
+                **setup, **self._backend.stats()}
+
+    def close(self) -> None:
+        """Detach from the model: it becomes an ordinary module on the CPU holding its current weights. The
+        optimizer state and gradient buffers are given back first; the weights' host buffers stay until the
+        Offloader is dropped (model_state_dict still reads them)."""
+        if self._closed:
+            return
+        # Whatever failed before (a host step, a device fault, an interrupted step), close() returns: the engine
+        # stops first, then the model is detached.
+        self._policy.end_step()
+        failure = self._backend.close() or self._failed
+        self._closed = True
+        # The optimizer state goes before the weights are copied out: the copy would otherwise come on top of
+        # the whole engine (qwen-14b: 113 GB at close against 84 GB through training, run 66).
+        for layer in self._host:
+            layer.release_state()
+        self._backend.release_memory()
+        try:
+            weights = model_weights(self.model, self.layout, self._host)
+        except RuntimeError as e:  # after a device fault the device's weights cannot be read back
+            weights, failure = None, failure or str(e)
+        for path in self._grad_paths:
+            path.unhook()
+        for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):
+            unwrap_layer(layer)
+        if weights is not None:
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                p.data = weights[name]
+            self.model.to("cpu")
+        if self._hf_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if failure:
+            kept = "the model holds its weights as the failure left them" if weights is not None else \
+                "the model's weights could not be read back"
+            warnings.warn(f"Offloader.close: training had failed ({failure}); {kept}: continue from a checkpoint",
+                          RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "Offloader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # it drains the host steps first, whatever failed

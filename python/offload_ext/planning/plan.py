@@ -1,0 +1,405 @@
+"""offload_ext.plan: what training a model under the Offloader's settings needs in host RAM (pinned and
+pageable) and GPU memory, and the largest batch x seq that fits, for this machine or one described;
+and the refusal, before anything is allocated, of a run that cannot fit (the Offloader's device check,
+offload-train's whole check), naming the numbers and the settings that need less.
+
+The figures are memory_plan's: the same decisions and host blocks a real Offloader takes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ext.config import Options, check_hyper, resolve_device
+from offload_ext.engine.grad_path import device_free_bytes
+from offload_ext.engine.kept_layers import check_checkpointing
+from offload_ext.models.stacks import find_layer_stacks
+from offload_ext.optim.param_groups import build_groups
+from offload_ext.planning import host_sizes
+from offload_ext.planning.host_sizes import parse_size
+from offload_ext.planning.layout import GroupOf
+from offload_ext.planning.memory import (
+    CUDA_CONTEXT,
+    CUDA_HOST,
+    EngineChoices,
+    Evaluation,
+    GpuEstimate,
+    Machine,
+    Settings,
+    Shape,
+    evaluate,
+    gpu_estimate,
+    host_activation_bytes,
+    largest_batch,
+    largest_seq,
+    process_rss,
+)
+
+_GB = 1e9
+
+
+def _options(model: nn.Module, ev: Evaluation, machine: Machine, group_of: GroupOf) -> list[str]:
+    """What needs less of the memory that is short, each with its figures and whether it fits this machine:
+    for the host the backend's own alternatives, for the GPU the settings below evaluated again."""
+    options = []
+    if not ev.host_fits(machine):
+        options += ["host: " + a.describe(ev.host.need.total, machine.host_available) for a in ev.host.alternatives]
+    if not ev.gpu_fits(machine):
+        rows = [(text, evaluate(model, dataclasses.replace(ev.settings, **change), machine, group_of))
+                for text, change in _gpu_changes(model, ev, machine)]
+        rows.append(("LoRA (the base frozen; adapters not counted)", evaluate(model, ev.settings, machine, group_of,
+                                                                              frozen=True)))
+        options += [f"GPU: {text} (GPU {alt.gpu.needed / _GB:.1f} GB, host {alt.host.need.total / _GB:.1f} GB"
+                    f"{', both fit' if alt.fits(machine) else ''})"
+                    for text, alt in rows if alt.gpu.needed < ev.gpu.needed]
+    return options
+
+
+def _gpu_changes(model: nn.Module, ev: Evaluation, machine: Machine) -> list[tuple[str, dict[str, Any]]]:
+    """Settings that take less device memory than `ev`'s."""
+    s = ev.settings
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if s.batch_size and s.seq_len:
+        batch = largest_batch(model, ev, machine, s.seq_len)
+        if batch:
+            changes.append((f"batch_size={batch} (the largest at seq_len={s.seq_len})", dict(batch_size=batch)))
+        elif seq := largest_seq(model, ev, machine):
+            changes.append((f"batch_size=1, seq_len={seq} (the longest at batch 1)", dict(batch_size=1, seq_len=seq)))
+        if s.loss_chunk_tokens > 1024:
+            changes.append(("loss_chunk_tokens=1024 (fewer logits at once)", dict(loss_chunk_tokens=1024)))
+    if s.device_layers > 2:
+        changes.append(("device_layers=2", dict(device_layers=2)))
+    if s.resident_layers:
+        changes.append(("resident_layers=0", dict(resident_layers=0)))
+    if s.precision == "mixed":
+        changes.append(("precision='bf16' (no fp32 masters on the device)", dict(precision="bf16")))
+    if not s.offload_all and ev.choices.layout.device_params:
+        changes.append(("offload_all=True (the embeddings' and head's state on the host)", dict(offload_all=True)))
+    return changes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a training run of a model under the Offloader's settings needs, on this machine (or the one given).
+
+    Host: `host_pinned` and `host_pageable` are the engine's buffers as it reserves them (`host_by_what`
+    splits them), `host_available` what the Offloader's check allows them (MemAvailable less an eighth of
+    MemTotal), `host_peak_rss` the process's expected peak (the buffers, the interpreter and libraries, the
+    CUDA runtime, a checkpoint's copy of the device parameters, activation_offload's slots:
+    `host_activations`, pinned as they are first used; not in the buffers' check). GPU: `gpu_terms` itemises
+    `gpu_needed`: `gpu_peak` (what torch.cuda.max_memory_allocated would read; `gpu_phases` has each phase of a step)
+    and the margin, against
+    `gpu_available`. `largest_batch` is the largest batch at `seq_len` that fits, `largest_seq` the longest
+    sequence at batch 1 (None where the device's memory is unknown). `fits` and `reasons` say whether, and
+    `options` what needs less, with its figures."""
+
+    model: str
+    settings: Settings
+    device: str
+    host_by_what: dict[tuple[str, bool], int]
+    host_available: int | None
+    host_process: int
+    host_checkpoint: int
+    speculating: tuple[int, int] | None
+    gpu: GpuEstimate
+    gpu_available: int | None
+    gpu_total: int | None
+    largest_batch: int | None
+    largest_seq: int | None
+    fits: bool
+    reasons: tuple[str, ...]
+    options: tuple[str, ...]
+    host_activations: int = 0  # activation_offload's host slots: one input per checkpointed layer
+
+    @property
+    def host_pinned(self) -> int:
+        return sum(b for (_, pinned), b in self.host_by_what.items() if pinned)
+
+    @property
+    def host_pageable(self) -> int:
+        return sum(b for (_, pinned), b in self.host_by_what.items() if not pinned)
+
+    @property
+    def host_total(self) -> int:
+        return self.host_pinned + self.host_pageable
+
+    @property
+    def host_simulated(self) -> int:
+        """The simulated device's own peak: host memory too, on top of the engine's buffers."""
+        return self.gpu.peak if self.device == "cpu" else 0
+
+    @property
+    def host_peak_rss(self) -> int:
+        return self.host_total + self.host_process + self.host_checkpoint + self.host_simulated + self.host_activations
+
+    @property
+    def gpu_terms(self) -> dict[str, int]:
+        """`gpu_needed` term by term: what stays allocated, what the step's fullest phase adds (activations,
+        the loss chunk, gradients), and the margin."""
+        phase = self.gpu.peak_phase
+        rows = [*self.gpu.static, *((f"{phase}: {what}", n) for what, n in self.gpu_phases.get(phase, ()))]
+        return {**dict(rows), "margin": self.gpu.margin}
+
+    @property
+    def gpu_phases(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        return dict(self.gpu.phases)
+
+    @property
+    def gpu_peak(self) -> int:
+        return self.gpu.peak
+
+    @property
+    def gpu_needed(self) -> int:
+        return self.gpu.needed
+
+    def refusal(self) -> str:
+        """The error a run of this plan stops with: the numbers, and what would need less."""
+        options = f" Options: {'; '.join(self.options)}" if self.options else ""
+        return (f"offload_ext.plan: {self.model} does not fit {self.device}: {'; '.join(self.reasons)}; nothing was "
+                f"allocated.{options}")
+
+    def __str__(self) -> str:
+        lines = [self._title(), *self._host_lines(), *self._gpu_lines(), *self._verdict_lines()]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _title(self) -> str:
+        s = self.settings
+        parts = [self.model, s.precision, f"{s.backend} backend", self.device,
+                 f"batch {s.batch_size} x {s.seq_len}" if s.batch_size and s.seq_len else "no batch given"]
+        if s.grad_accum > 1:
+            parts.append(f"grad_accum {s.grad_accum}")
+        if s.max_grad_norm is not None:
+            parts.append(f"max_grad_norm {s.max_grad_norm}" + ("" if s.speculative_clip else ", not speculative"))
+        if s.resident_layers:
+            parts.append(f"{s.resident_layers} resident layers")
+        return "memory plan: " + ", ".join(parts)
+
+    def _host_lines(self) -> list[str]:
+        lines = [_row("host (GB)", "pinned", "pageable")]
+        for (what, pinned), nbytes in sorted(self.host_by_what.items(), key=_host_order):
+            lines.append(_row("  " + what, _gb(nbytes) if pinned else "", "" if pinned else _gb(nbytes)))
+        lines.append(_row(f"  engine buffers, {_gb(self.host_total)} in all", _gb(self.host_pinned),
+                          _gb(self.host_pageable)))
+        if self.speculating:
+            lines.append(f"  speculative clipping's second buffers for {self.speculating[0]} of "
+                         f"{self.speculating[1]} units")
+        cuda = " and the CUDA runtime" if self.device.startswith("cuda") else ""
+        lines += [_row(f"  process: interpreter, libraries{cuda}", "", _gb(self.host_process)),
+                  _row("  checkpoint: the device's parameters copied out", "", _gb(self.host_checkpoint)),
+                  *([_row("  the simulated device's peak (below)", "", _gb(self.host_simulated))]
+                    if self.host_simulated else []),
+                  *([_row("  activation offload: checkpointed layers' inputs", "", _gb(self.host_activations))]
+                    if self.host_activations else []),
+                  _row("  expected peak RSS", "", _gb(self.host_peak_rss)),
+                  _row("  available to the engine buffers", "", _gb(self.host_available))]
+        return lines
+
+    def _gpu_lines(self) -> list[str]:
+        gpu = self.gpu
+        title = "GPU (GB)" if self.device != "cpu" else "simulated device (GB; host memory, not checked)"
+        lines = [_row(title, "", "")] + [_row("  " + what, "", _gb(n)) for what, n in gpu.static if n]
+        lines.append(_row("  allocated throughout", "", _gb(gpu.static_bytes)))
+        shown = _training_peak(gpu)
+        for what, n in self.gpu_phases.get(shown, ()):
+            if n:
+                lines.append(_row(f"  + {shown}: {what}", "", _gb(n)))
+        lines += [_row(f"  allocated at the peak of: {name}", "", _gb(gpu.static_bytes + gpu.phase_bytes(name)))
+                  for name in self.gpu_phases]
+        lines.append(_row(f"  peak allocated ({gpu.peak_phase})", "", _gb(gpu.peak)))
+        if gpu.cuda:
+            lines += [_row("  margin (allocator, kernels outside it)", "", _gb(gpu.margin)),
+                      _row("  needed", "", _gb(gpu.needed)),
+                      _row("  available" + (f" (of {_gb(self.gpu_total)})" if self.gpu_total else ""), "",
+                           _gb(self.gpu_available))]
+        return lines
+
+    def _verdict_lines(self) -> list[str]:
+        lines = []
+        if self.largest_seq is not None:
+            at = (f"largest batch at seq_len {self.settings.seq_len}: {self.largest_batch}; "
+                  if self.largest_batch is not None else "")
+            lines.append(f"{at}longest seq_len at batch 1: {self.largest_seq} (by memory)")
+        if self.fits:
+            return lines + ["fits"]
+        return lines + ["does not fit: " + "; ".join(self.reasons), "options:"] + [f"  {o}" for o in self.options]
+
+
+_HOST_ORDER = ("params", "params and gradients", "gradient staging", "kept gradients", "moments", "fp32 master",
+               "fp32 gradients", "gradient sums", "second buffers")
+
+
+def _host_order(item: tuple[tuple[str, bool], int]) -> tuple[bool, int]:
+    (what, pinned), _ = item
+    return not pinned, _HOST_ORDER.index(what) if what in _HOST_ORDER else len(_HOST_ORDER)
+
+
+def _training_peak(gpu: GpuEstimate) -> str | None:
+    """The phase of a training step with the most allocated (a checkpoint's phase aside)."""
+    training = [name for name, _ in gpu.phases if name != "state_dict"]
+    return max(training, key=gpu.phase_bytes) if training else None
+
+
+def _row(label: str, left: str, right: str) -> str:
+    return f"{label:<60}{left:>10}{right:>10}"
+
+
+def _gb(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / _GB:.2f}"
+
+
+def _reasons(ev: Evaluation, machine: Machine) -> list[str]:
+    reasons = []
+    if not ev.host_fits(machine):
+        need = ev.host.need
+        reasons.append(f"the host buffers need {need.total / _GB:.1f} GB ({need.pinned / _GB:.1f} GB pinned, "
+                       f"{need.pageable / _GB:.1f} GB pageable) but {machine.host_available / _GB:.1f} GB is available")
+    if not ev.gpu_fits(machine):
+        reasons.append(f"the GPU needs {ev.gpu.needed / _GB:.1f} GB at its peak ({ev.gpu.peak_phase}, margin included) "
+                       f"but {machine.gpu_available / _GB:.1f} GB is available")
+    if machine.cuda and machine.gpu_available is None:
+        reasons.append("the GPU's memory is unknown (no CUDA device here: pass gpu_memory=)")
+    return reasons
+
+
+def _checkpoint_bytes(ev: Evaluation, precision: str) -> int:
+    """Host bytes state_dict()/save_state() copy out of the device: its parameters (bf16) and masters ("mixed")."""
+    params = ev.choices.layout.device_params
+    masters = 4 * sum(p.numel() for p in params if p.requires_grad) if precision == "mixed" else 0
+    return 2 * sum(p.numel() for p in params) + masters
+
+
+def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf = lambda p: 0) -> MemoryPlan:
+    """The plan of `settings` for `model` on `machine`."""
+    ev = evaluate(model, settings, machine, group_of)
+    reasons = _reasons(ev, machine)
+    fits = ev.fits(machine) and not (machine.cuda and machine.gpu_available is None)
+    known = machine.gpu_available is not None and Shape.of(model) is not None
+    batch = largest_batch(model, ev, machine, settings.seq_len) if known and settings.seq_len else None
+    process = process_rss() + (CUDA_HOST if machine.cuda and not torch.cuda.is_initialized() else 0)
+    params = sum(p.numel() for p in model.parameters())
+    name = f"{type(model).__name__} ({params / 1e9:.2f} B params)"
+    return MemoryPlan(name, settings, str(machine.device), ev.host.need.by_what(), machine.host_available, process,
+                      _checkpoint_bytes(ev, settings.precision), ev.host.speculating, ev.gpu, machine.gpu_available,
+                      machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
+                      tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),
+                      host_activation_bytes(model, settings, ev.choices))
+
+
+def machine(device: str | torch.device = "cuda", host_memory: int | str | None = None,
+            gpu_memory: int | str | None = None, model: nn.Module | None = None) -> Machine:
+    """The machine a plan is for: this one (the GPU's free memory counting what `model`'s parameters hold
+    there already), or (`host_memory`, `gpu_memory`: sizes such as 125e9 or "139GiB") one with that much
+    memory, all of it available (a device planned so loses its CUDA context first)."""
+    dev = torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"plan: device must be 'cuda', 'cuda:N' or 'cpu' (simulated), got {device!r}")
+    host = host_sizes.available_host_bytes(_bytes(host_memory))
+    if dev.type == "cpu":  # the simulated device's buffers are host memory: only the host is checked
+        return Machine(dev, host, None)
+    total = _bytes(gpu_memory)
+    if total is not None:
+        return Machine(dev if dev.index is not None else torch.device("cuda", 0), host, total - CUDA_CONTEXT, total)
+    if not torch.cuda.is_available():
+        return Machine(torch.device("cuda", dev.index or 0), host, None)
+    dev = resolve_device(dev)
+    return Machine(dev, host, _free_for(model, dev), torch.cuda.get_device_properties(dev).total_memory)
+
+
+def _free_for(model: nn.Module | None, device: torch.device) -> int:
+    """What the Offloader may allocate on `device`: the process's free memory there, and what the model's
+    parameters already on it hold (the Offloader moves or frees them)."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device) if model else 0
+    return device_free_bytes(device) + held
+
+
+def _bytes(size: int | str | None) -> int | None:
+    return None if size is None else int(size) if isinstance(size, (int, float)) else parse_size(size)
+
+
+def _model_of(model_or_config: Any, lora_r: int | None, lora_alpha: float | None,
+              lora_targets: Sequence[str]) -> nn.Module:
+    """The model to plan for: the module itself, or one built on the meta device from a transformers
+    config or a config's directory or hub id (no weights), with LoRA adapters when asked."""
+    if isinstance(model_or_config, nn.Module):
+        if lora_r is not None:
+            raise ValueError("plan: lora_r is for a model plan() builds from a config; wrap a module with peft "
+                             "yourself and pass the peft model")
+        return model_or_config
+    from offload_ext.models.weights import from_config_empty
+
+    config = model_or_config
+    if isinstance(config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(config)
+    model, _ = from_config_empty(config)  # meta parameters; the init source draws nothing until asked
+    if lora_r is not None:
+        from offload_ext.models.lora import add_lora
+
+        model = add_lora(model, lora_r, lora_alpha or 2 * lora_r, lora_targets)
+    return model
+
+
+def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+         weight_decay: float = 0.0, precision: str = "bf16", backend: str = "native",
+         device: str | torch.device = "cuda", *, compile_layers: bool = False, num_threads: int | None = None,
+         pin_threads: bool = True, grad_slots: int | None = None, slice_elements: int | None = None,
+         device_layers: int = 2, offload_all: bool = False, grad_accum: int = 1, max_grad_norm: float | None = None,
+         async_step: bool | None = None, groups: Sequence[dict[str, Any]] | None = None,
+         no_decay: Sequence[str] = (), speculative_clip: bool = True, accumulate_on_device: bool | None = None,
+         resident_layers: int = 0, device_redo_layers: int | None = None, weights: Any = None,
+         batch_size: int | None = None, seq_len: int | None = None,
+         loss_chunk_tokens: int = 4096, loss_backend: str = "auto", lora_r: int | None = None,
+         lora_alpha: float | None = None, lora_targets: Sequence[str] = ("q_proj", "v_proj"),
+         host_memory: int | str | None = None, gpu_memory: int | str | None = None,
+         sr_seed: int = 0, activation_checkpointing: str | int = "all",
+         gpu_memory_budget: int | None = None, activation_offload: bool = False,
+         eager_uploads: bool = True, host_nice: int = 0, params_first: bool = True) -> MemoryPlan:
+    """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
+    those that do not change memory are checked and accepted so the same keywords can be passed), trained
+    on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,
+    backend=loss_backend). `model_or_config`: a module (real or on the meta device; a peft model for LoRA),
+    a transformers config, or a config's directory or hub id (built on the meta device, with LoRA
+    adapters of rank `lora_r` on `lora_targets`). Nothing is allocated. `host_memory` and `gpu_memory`
+    plan for a machine of that size instead of this one (needed for a CUDA device where there is none)."""
+    Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots, slice_elements, device_layers,
+            offload_all, grad_accum, max_grad_norm, async_step, host_nice)
+    check_hyper(lr, tuple(betas), eps, weight_decay)
+    if (batch_size is None) != (seq_len is None) or (batch_size is not None and min(batch_size, seq_len) < 1):
+        raise ValueError(f"plan: give batch_size and seq_len together, each at least 1 (got {batch_size}, {seq_len})")
+    model = _model_of(model_or_config, lora_r, lora_alpha, lora_targets)
+    _, group_of = build_groups(model, groups, no_decay)
+    settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
+                        offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                        speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
+                        resident_layers=resident_layers, device_redo_layers=device_redo_layers,
+                        batch_size=batch_size, seq_len=seq_len,
+                        loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend,
+                        activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
+    layers = resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
+    check_checkpointing(activation_checkpointing, layers, gpu_memory_budget, torch.device(device))
+    return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)
+
+
+def check_device_memory(model: nn.Module, settings: Settings, choices: EngineChoices, device: torch.device,
+                        group_of: GroupOf) -> None:
+    """The Offloader's device check, before anything is put on the device: what stays allocated through
+    training (parameters kept there and their state, layer and gradient buffers; activations come on top
+    and depend on the batch, which offload-train checks too) must fit what the process may allocate."""
+    if device.type != "cuda":
+        return
+    here = Machine(device, None, _free_for(model, device))
+    gpu = gpu_estimate(model, choices, settings.precision, settings.device_layers, cuda=True)
+    if gpu.needed <= here.gpu_available:
+        return
+    ev = Evaluation(settings, choices, evaluate(model, settings, here, group_of).host, gpu)
+    rows = ", ".join(f"{what} {nbytes / _GB:.2f} GB" for what, nbytes in gpu.static if nbytes)
+    raise MemoryError(f"Offloader: the device needs {gpu.needed / _GB:.1f} GB before any activation ({rows}, margin "
+                      f"{gpu.margin / _GB:.2f} GB) but {here.gpu_available / _GB:.1f} GB is free for this process; "
+                      f"nothing was allocated. Options: {'; '.join(_options(model, ev, here, group_of))}")

@@ -1,0 +1,1 @@
+"""offload-train: the training application, a client of the package's public API."""

@@ -1,0 +1,183 @@
+"""offload-train --fsdp under torchrun: FSDP2 (fully_shard per decoder layer and the root; CPUOffloadPolicy on
+GPUs) with CPUAdamW(overlap=True) stepping each rank's shards in backward, the model built on the meta device
+and each rank's shards filled from the run's weights (offload_ext.models.fsdp_shards), each rank its own batches, and
+checkpoints: the gathered weights as HF safetensors on rank 0, and a distributed checkpoint to resume from."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from offload_ext.engine.layers import enable_activation_checkpointing
+from offload_ext.models.fsdp_shards import materialize_shards
+from offload_ext.models.weights import WeightSource
+from offload_ext.optim.cpu_adamw import CPUAdamW
+from offload_ext.optim.param_groups import build_groups
+from offload_ext.train import data as data_mod
+from offload_ext.train.setup import UsageError
+from offload_ext.train.trainer import lr_factor, mark_phase, no_decay_patterns
+
+# Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
+_ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
+                "activation_offload": "--activation-offload", "compile": "--compile", "trace": "--trace",
+                "lora_r": "--lora-r", "gpu_memory_budget": "--gpu-memory-budget"}
+
+
+def check_fsdp_args(args: argparse.Namespace) -> None:
+    for key, flag in _ENGINE_ONLY.items():
+        if getattr(args, key):
+            raise UsageError(f"{flag} is an option of the single-GPU engine; --fsdp shards with FSDP2 instead: "
+                             f"drop {flag}")
+    if args.activation_checkpointing not in ("all", "none"):
+        raise UsageError(f"--fsdp: --activation-checkpointing {args.activation_checkpointing}: FSDP2's layers "
+                         "recompute all or none (use all or none)")
+    if args.device_layers != 2:
+        raise UsageError("--device-layers is an option of the single-GPU engine; drop it with --fsdp")
+
+
+def init_process_group(device: torch.device) -> None:
+    """The process group torchrun describes (nccl on GPUs, gloo on the CPU)."""
+    if "RANK" not in os.environ:
+        raise UsageError("--fsdp runs under torchrun: torchrun --nproc-per-node N -m offload_ext.train.cli --fsdp ...")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK on a GPU box."""
+    if device.type != "cuda":
+        return device
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class RankBatches:
+    """Every rank reads the same stream and keeps every world-th batch, its own: ranks see disjoint data, and
+    the stream's state (saved on rank 0) is the same on all."""
+
+    def __init__(self, stream: data_mod.TokenStream) -> None:
+        self.stream, self.rank, self.world = stream, dist.get_rank(), dist.get_world_size()
+
+    def next_batch(self) -> torch.Tensor:
+        batches = [self.stream.next_batch() for _ in range(self.world)]
+        return batches[self.rank]
+
+
+class FsdpTrainer:
+    """The Trainer interface (lr, train_step, save, load) over an FSDP2 model and CPUAdamW(overlap=True)."""
+
+    off = None  # no Offloader: the loop's engine-only columns stay out of the metrics
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, weights: WeightSource | None,
+                 device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        self.args, self.device = args, device
+        self.last_grad_norm: float | None = None
+        self.last_clip_action: str | None = None
+        # The weights know the meta model's parameters (and draw by its modules): a copy of it is sharded,
+        # the meta model itself stays as the weights' key, costing no memory.
+        originals = dict(model.named_parameters())
+        model = copy.deepcopy(model)
+        if args.activation_checkpointing == "all":
+            enable_activation_checkpointing(model)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = dict(offload_policy=CPUOffloadPolicy()) if device.type == "cuda" else {}
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
+        if weights is not None:
+            materialize_shards(model, lambda name, dst: weights.fill(originals[name], dst), "cpu")
+        self.model = model
+        groups, _ = build_groups(model, None, no_decay_patterns(args))
+        self.opt = CPUAdamW(groups, lr=args.lr, weight_decay=args.weight_decay, overlap=True,
+                            max_grad_norm=args.max_grad_norm, master_weights=args.precision == "mixed",
+                            stochastic_rounding=args.precision == "bf16-sr", sr_seed=args.seed)
+        self.optimizer = self.opt
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: lr_factor(args, step))
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def train_step(self, stream: data_mod.TokenStream, phases: dict[str, float] | None = None) -> float:
+        """One step over the ranks; the mean loss. `phases`: as Trainer.train_step's."""
+        a, batches = self.args, RankBatches(stream)
+        total = 0.0
+        mark_phase(phases, self.device, "_start")
+        for k in range(a.grad_accum):
+            last = k == a.grad_accum - 1
+            self.model.set_requires_gradient_sync(last)  # earlier micro-batches: no reduce-scatter, no step
+            batch = batches.next_batch().to(self.device)
+            with contextlib.nullcontext() if last else self.opt.no_overlap():
+                loss = self.model(input_ids=batch, labels=batch).loss / a.grad_accum  # through the root: FSDP2's hooks
+                mark_phase(phases, self.device, "forward")
+                loss.backward()
+            total += loss.item()
+            mark_phase(phases, self.device, "backward")
+        self.opt.step()
+        self.last_grad_norm, self.last_clip_action = self.opt.last_grad_norm, self.opt.last_clip_action
+        self.opt.zero_grad(set_to_none=True)
+        self.schedule.step()
+        mark_phase(phases, self.device, "step", last=True)
+        # the mean over the ranks' losses, as one model's loss over the whole batch
+        mean = torch.tensor([total], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        dist.all_reduce(mean)
+        return float(mean[0]) / dist.get_world_size()
+
+    def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
+        """The checkpoint in --out/checkpoint/, written in place (without run_dir's step directories and
+        manifest: a kill mid-save can tear it); its path."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        ckpt = os.path.join(self.args.out, "checkpoint")
+        os.makedirs(ckpt, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt, "distributed"))
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:  # the gathered weights, as transformers' from_pretrained reads them
+            self.model.save_pretrained(ckpt, state_dict=full, safe_serialization=True)
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(ckpt)
+            else:
+                tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
+            state = {"step": step, "data": stream.state(), "schedule": self.schedule.state_dict(),
+                     "rng": {"python": random.getstate(), "numpy": np.random.get_state()}, "args": vars(self.args),
+                     "world_size": dist.get_world_size()}
+            tmp = os.path.join(ckpt, "trainer_state.pt.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(ckpt, "trainer_state.pt"))
+        dist.barrier()
+        return ckpt
+
+    def load(self, stream: data_mod.TokenStream) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        ckpt = os.path.join(self.args.out, "checkpoint")
+        path = os.path.join(ckpt, "trainer_state.pt")
+        if not os.path.exists(path):
+            raise UsageError(f"--resume: no checkpoint at {path}; run without --resume first")
+        state = torch.load(path, weights_only=False)
+        if state.get("world_size") != dist.get_world_size():
+            raise UsageError(f"--resume: the checkpoint was made by {state.get('world_size')} ranks, this run has "
+                             f"{dist.get_world_size()}: resume with --nproc-per-node {state.get('world_size')}")
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=os.path.join(ckpt, "distributed"))
+        set_state_dict(self.model, self.opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        self.schedule.load_state_dict(state["schedule"])
+        stream.restore(state["data"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        return int(state["step"])
