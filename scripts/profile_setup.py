@@ -12,6 +12,7 @@ import time
 
 from offload_ext.train import cli as train
 from offload_ext.train import setup as train_setup
+from offload_ext.train.flags import train_config
 from offload_ext.train.trainer import Trainer
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     phases = {"data": lambda: train_setup.build_stream(args)}
     stream, _, vocab = _profiled("data", phases["data"], a.top)
     model, weights = _profiled("model", lambda: train_setup.build_model(args, vocab, device), a.top)
-    _profiled("engine", lambda: Trainer(args, model, device, simulated, weights), a.top)
+    _profiled("engine", lambda: Trainer(train_config(args, device), model, device, simulated, weights), a.top)
 
 
 def _profiled(name: str, fn, top: int):

@@ -17,7 +17,7 @@ from offload_ext import testing
 from offload_ext.engine.backends.native import NativeBackend
 from offload_ext.engine.backends.python import PythonBackend
 from offload_ext.models.losses import lm_head_loss
-from offload_ext.planning.memory import Shape, kept_layer_bytes, layer_activation_bytes, loss_rows
+from offload_ext.planning.gpu import Shape, kept_layer_bytes, layer_activation_bytes, loss_rows
 from offload_ext.train import cli as train
 
 HOST_KNOBS = [dict(), dict(precision="mixed"), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, precision="mixed"),
@@ -161,7 +161,7 @@ def test_a_gpu_too_small_is_refused_with_the_batch_that_fits() -> None:
 def test_the_offloaders_device_check_refuses_what_stays_on_the_gpu(monkeypatch) -> None:
     # The check runs on the figures alone: a CUDA device is described here by the memory it has free.
     from offload_ext.planning import plan as planning
-    from offload_ext.planning.memory import Settings, choose
+    from offload_ext.planning.choices import Settings, choose
 
     model = _meta_llama(layers=4, hidden=2048)  # embeddings and head of 32000 x 2048: 0.26 GB, 0.52 GB of state
     device = torch.device("cuda", 0)
@@ -411,12 +411,11 @@ def test_a_planned_run_trains_as_planned(tmp_path) -> None:
     assert os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_offloader_and_plan_take_the_same_keywords() -> None:
-    import inspect
-
-    offloader = inspect.signature(offload_ext.Offloader.__init__).parameters
-    planned = inspect.signature(offload_ext.plan).parameters
-    for name, p in offloader.items():
-        if name not in ("self", "model"):
-            assert name in planned and planned[name].default == p.default, name
-    assert offload_ext.plan(tiny_llama(layers=2), device="cpu", batch_size=2, seq_len=16).fits
+def test_plan_takes_the_offloaders_config_and_its_keywords() -> None:
+    config = offload_ext.OffloadConfig(device="cpu", max_grad_norm=1.0)
+    by_config = offload_ext.plan(tiny_llama(layers=2), config, batch_size=2, seq_len=16)
+    by_keywords = offload_ext.plan(tiny_llama(layers=2), device="cpu", max_grad_norm=1.0, batch_size=2, seq_len=16)
+    assert by_config.fits and by_config.settings == by_keywords.settings
+    assert by_config.host_pinned == by_keywords.host_pinned and by_config.host_pageable == by_keywords.host_pageable
+    with pytest.raises(TypeError, match="plan: unknown option 'device_layer'"):
+        offload_ext.plan(tiny_llama(layers=2), device="cpu", device_layer=3)

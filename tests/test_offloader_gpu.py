@@ -295,7 +295,7 @@ def test_kept_layers_loss_curves_match_gpu_resident_training_without_checkpointi
 def test_what_auto_measures_a_kept_layer_saves_on_the_gpu_is_the_plans_term() -> None:
     # The plan's kept-layer term comes from the simulated device, where it is exact; on the GPU SDPA's kernels
     # save their own tensors: within the plan's tenth.
-    from offload_ext.planning.memory import Shape, kept_layer_bytes
+    from offload_ext.planning.gpu import Shape, kept_layer_bytes
 
     model = small_llama()
     off = offload_ext.Offloader(model, lr=0.0, backend="native", device="cuda", activation_checkpointing="auto")

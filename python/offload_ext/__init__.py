@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from offload_ext._info import build_info
 from offload_ext._version import __version__
+from offload_ext.config import EngineTuning, OffloadConfig
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.engine.offloader import Offloader
 from offload_ext.models import stacks
@@ -24,7 +25,9 @@ __all__ = [
     "causal_lm_loss",
     "enable_activation_checkpointing",
     "lm_head_loss",
+    "EngineTuning",
     "MemoryPlan",
+    "OffloadConfig",
     "Offloader",
     "plan",
     "stacks",

@@ -20,24 +20,11 @@ from typing import Any
 import torch
 
 from offload_ext import ops
+from offload_ext.planning.gpu import REDO_SETS, redo_piece
+
 
 # Sets of device buffers: the copies in of one piece of a unit fill one set while the piece before is stepped
 # and copied back from the other. A piece is at most REDO_PIECE elements (256 MB of device memory in all).
-REDO_SETS = 2
-REDO_PIECE = 1 << 24
-
-
-def redo_piece(largest: int) -> int:
-    """Elements of each device buffer for units of at most `largest` trainable elements."""
-    return min(largest, REDO_PIECE)
-
-
-def redo_element_bytes(precision: str) -> int:
-    """Device bytes per element of one set: params and moments in the state's dtype, the bf16 gradient and
-    ("mixed", fp32 masters) the bf16 params the step also writes."""
-    return 3 * 4 + 2 + 2 if precision == "mixed" else 4 * 2
-
-
 class DeviceRedo:
     def __init__(self, device: torch.device, largest: int, state: torch.dtype = torch.bfloat16) -> None:
         piece = redo_piece(largest)

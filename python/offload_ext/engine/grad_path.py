@@ -14,38 +14,12 @@ which sends it once.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from offload_ext.engine.backends import Backend, LayerBuffers
 from offload_ext.planning.layout import Part, Span
-
-
-def device_free_bytes(device: torch.device) -> int:
-    """What this process may still allocate on a CUDA device: its free memory, within the process's cap."""
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
-    cap = (fraction(device) if fraction else 1.0) * total
-    return int(min(free, cap - torch.cuda.memory_reserved(device)))
-
-
-def sums_on_device(choice: bool | None, grad_accum: int, parts: Sequence[Part], device: torch.device,
-                   free: int | None = None) -> bool:
-    """Whether gradients of several micro-batches are summed on the device (one copy to the host per step)
-    rather than on the host (one per micro-batch). None chooses: on a GPU, when the sums (2 bytes per
-    trainable streamed parameter) take at most a quarter of what this process may still allocate there
-    (`free`, else asked of the device); on the simulated device, not (pass True to run that path there)."""
-    if grad_accum == 1:
-        return False
-    if choice is not None:
-        return choice
-    if device.type != "cuda":
-        return False
-    need = 2 * sum(u.trainable_numel for part in parts for u in part.units)
-    return need <= (device_free_bytes(device) if free is None else free) / 4
 
 
 class GradPath:

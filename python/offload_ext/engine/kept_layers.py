@@ -29,40 +29,8 @@ import torch
 
 from offload_ext.engine.device_ring import DeviceRing
 
-CHECKPOINTING = ("all", "none", "auto")
 _MARGIN_BYTES = 1 << 30   # "auto" leaves this much of the budget free, plus 5 % of the process's cap, for
 _MARGIN_FRACTION = 0.05   # the allocator's fragmentation and what the first step did not show
-
-
-def check_checkpointing(spec: str | int, shortest: int, gpu_memory_budget: int | None,
-                        device: torch.device) -> None:
-    """Raise on a bad activation_checkpointing (before anything is allocated); `shortest` is the fewest layers
-    a stack has (resident and streamed)."""
-    named = isinstance(spec, str) and spec in CHECKPOINTING
-    if isinstance(spec, bool) or not (named or isinstance(spec, int)):
-        raise ValueError(f"Offloader: activation_checkpointing must be one of {CHECKPOINTING} or a number of layers "
-                         f"per stack, got {spec!r}")
-    if isinstance(spec, int) and not 0 <= spec <= shortest:
-        raise ValueError(f"Offloader: activation_checkpointing={spec} layers, but a stack has {shortest}: give a "
-                         f"number in [0, {shortest}] (0 is 'none', {shortest} is 'all')")
-    if gpu_memory_budget is not None and (spec != "auto" or gpu_memory_budget <= 0):
-        raise ValueError(f"Offloader: gpu_memory_budget={gpu_memory_budget!r} is read by "
-                         "activation_checkpointing='auto' only, and must be a positive number of bytes")
-    if spec == "auto" and device.type != "cuda" and gpu_memory_budget is None:
-        raise ValueError("Offloader: activation_checkpointing='auto' on the simulated device needs gpu_memory_budget "
-                         "(bytes the kept layers' saved tensors may take): there is no allocator to ask")
-
-
-def checkpointed_count(spec: str | int, layers: int) -> int:
-    """How many of a stack's lowest layers recompute. "auto" starts by keeping the top one: what it saves in
-    the first step is what the choice is measured from."""
-    if spec == "all":
-        return layers
-    if spec == "none":
-        return 0
-    if spec == "auto":
-        return layers - 1
-    return int(spec)
 
 
 @dataclass(frozen=True)

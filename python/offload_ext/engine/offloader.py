@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.config import Options, check_hyper, resolve_device
+from offload_ext.config import OffloadConfig, check_hyper, resolve_device
 from offload_ext.engine.activation_offload import HostActivations, Key
 from offload_ext.engine.backends import Backend, Hyper, LayerBuffers, make_backend
 from offload_ext.engine.device_ring import DeviceRing
@@ -29,8 +29,6 @@ from offload_ext.engine.host_fill import fill_unit
 from offload_ext.engine.kept_layers import (
     SavedWeights,
     auto_kept,
-    check_checkpointing,
-    checkpointed_count,
     device_budget,
 )
 from offload_ext.engine.layers import (
@@ -50,6 +48,7 @@ from offload_ext.engine.state import (
     span_names,
     weight_sources,
 )
+from offload_ext.engine.step_policy import StepPolicy
 from offload_ext.engine.timeline import Timeline, span
 from offload_ext.models.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from offload_ext.models.weights import (
@@ -61,10 +60,11 @@ from offload_ext.models.weights import (
 )
 from offload_ext.optim.device_optimizer import DeviceOptimizer
 from offload_ext.optim.param_groups import HYPER_KEYS, build_groups
+from offload_ext.planning.choices import Settings, check_checkpointing, checkpointed_count, choose
 from offload_ext.planning.layout import Layout
-from offload_ext.planning.memory import Settings, choose
 from offload_ext.planning.plan import check_device_memory
 
+_OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay")
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
 
@@ -84,45 +84,20 @@ def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None
 class Offloader(torch.optim.Optimizer):
     """Full CPU offload of a model's layer stacks for training on one device.
 
-    off = Offloader(model, lr=3e-4, precision="bf16", backend="native", device="cuda")
+    off = Offloader(model, lr=3e-4, config=OffloadConfig(precision="bf16", device="cuda"))
     loss = loss_fn(model(batch)); off.backward(loss); off.step(); off.zero_grad()
 
-    max_grad_norm: clip by the global norm as torch.nn.utils.clip_grad_norm_ does; a non-finite norm raises
-    FloatingPointError as clip_grad_norm_(error_if_nonfinite=True) does, never an unscaled step, and leaves
-    the Offloader failed (the layers that stepped speculatively keep that step): close() it and resume.
-    Any error a step ends in leaves it failed the same way: every later call raises it until close(),
-    which returns whatever failed.
+    `lr`, `betas`, `eps`, `weight_decay` are AdamW's; `groups` (param-group specs) and `no_decay` (name
+    patterns kept out of weight decay) build the param groups; `weights` is where meta parameters get their
+    values. `config` (an OffloadConfig) is everything else; any of its fields, or of its EngineTuning, may
+    instead be given by name as a keyword (`Offloader(model, precision="mixed", device="cpu")`): they are
+    applied on top of `config`, and an unknown name is refused. See docs/api.md for every field.
 
-    precision: "bf16" (bf16 params and moments), "bf16-sr" (the same buffers, params and exp_avg_sq stored by
-    stochastic rounding drawn from `sr_seed`: see offload_ext.optim.stochastic_rounding) or "mixed" (fp32 masters
-    and moments).
-
-    activation_checkpointing: "all" (every streamed and resident layer recomputes in backward), "none", N
-    (the lowest N layers of each stack recompute, the rest keep their saved tensors) or "auto" (the first
-    step keeps the top layer and measures what it saves; from the second on, as many of the top layers are
-    kept as `gpu_memory_budget` bytes allow: on a GPU the process's peak, by default what it may allocate
-    less 5 % and 1 GiB; on the simulated device the kept layers' saved bytes). See offload_ext.engine.kept_layers.
-    activation_offload: the input each checkpointed layer keeps waits in pinned host memory between its
-    forward and its backward (offload_ext.engine.activation_offload).
-
-    device_redo_layers: with speculative clipping in "bf16" or "mixed" (one micro-batch a step), when clipping
-    triggers the top N layers of each stack are redone on the device while the host redoes the rest
-    (offload_ext.engine.device_redo); None: a third of each stack. Their moments (and "mixed"'s masters) are
-    page-locked, and the device holds two pieces of params, moments and gradients for it.
-
-    eager_uploads: with a device buffer per streamed layer (device_layers at least the stack's), no clipping
-    and the native backend's background steps, a layer's new weights are copied up as soon as its host step
-    is done, inside the last backward, instead of when the next forward binds it. False keeps the copy at
-    the bind (offload_ext.engine.device_ring).
-
-    host_nice: the native engine's host-step threads' niceness, 0-19 (0: the process's own priority). Above 0,
-    a thread of normal priority that wakes on a CPU they hold (autograd's, launching the backward's kernels;
-    the CUDA driver's callbacks) takes it from them at once, where the kernel's fair share would let it wait.
-
-    params_first: the native engine runs each host step taken after the clipping norm has clipped (a redo, a
-    clipped step) as two passes: the params, which the next forward's copy of the layer waits for, then the
-    moments, behind every other layer's work. Both compute the whole update, so the bits are those of one pass.
-    False: one pass (less host memory traffic in all, a longer wait).
+    With max_grad_norm the global norm is clipped as torch.nn.utils.clip_grad_norm_ does; a non-finite norm
+    raises FloatingPointError as clip_grad_norm_(error_if_nonfinite=True) does, never an unscaled step, and
+    leaves the Offloader failed (the layers that stepped speculatively keep that step): close() it and resume.
+    Any error a step ends in leaves it failed the same way: every later call raises it until close(), which
+    returns whatever failed.
     """
 
     def __init__(
@@ -132,71 +107,47 @@ class Offloader(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        precision: str = "bf16",
-        backend: str = "native",
-        device: str | torch.device = "cuda",
+        config: OffloadConfig | None = None,
         *,
-        compile_layers: bool = False,
-        num_threads: int | None = None,
-        pin_threads: bool = True,
-        grad_slots: int | None = None,
-        slice_elements: int | None = None,
-        device_layers: int = 2,
-        offload_all: bool = False,
-        grad_accum: int = 1,
-        max_grad_norm: float | None = None,
-        async_step: bool | None = None,
         groups: Sequence[dict[str, Any]] | None = None,
         no_decay: Sequence[str] = (),
-        speculative_clip: bool = True,
-        accumulate_on_device: bool | None = None,
-        resident_layers: int = 0,
-        device_redo_layers: int | None = None,
         weights: WeightSource | None = None,
-        sr_seed: int = 0,
-        activation_checkpointing: str | int = "all",
-        gpu_memory_budget: int | None = None,
-        activation_offload: bool = False,
-        eager_uploads: bool = True,
-        host_nice: int = 0,
-        params_first: bool = True,
+        **options: Any,
     ) -> None:
-        Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots,  # raises on a bad one
-                slice_elements, device_layers, offload_all, grad_accum, max_grad_norm, async_step, host_nice)
+        cfg = OffloadConfig.from_options(config, **options)  # raises on an unknown or out-of-range option
+        t = cfg.tuning
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         specs, group_of = build_groups(model, groups, no_decay)
         for spec in specs:
             check_hyper(**(defaults | {k: v for k, v in spec.items() if k != "params"}))
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("Offloader: the model has no trainable parameters (every requires_grad is False)")
-        self.device = resolve_device(device)
-        settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
-                            offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-                            speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                            resident_layers=resident_layers, device_redo_layers=device_redo_layers,
-                            activation_checkpointing=activation_checkpointing,
-                            activation_offload=activation_offload)
+        self.config = cfg
+        self.device = resolve_device(cfg.device)
+        settings = Settings(cfg)
         choices = choose(model, settings, self.device, group_of)
         self.layout: Layout = choices.layout
-        check_checkpointing(activation_checkpointing, self.layout.fewest_stack_layers, gpu_memory_budget, self.device)
+        check_checkpointing(cfg.activation_checkpointing, self.layout.fewest_stack_layers, cfg.gpu_memory_budget,
+                            self.device)
         super().__init__(specs, defaults)
         self.model = model
-        self.precision, self.backend_name = precision, backend
-        self._sr_seed = sr_seed if precision == "bf16-sr" else None  # saved with the state: a resume continues it
+        self.precision, self.backend_name = cfg.precision, t.backend
+        # saved with the state: a resume continues the rounding stream
+        self._sr_seed = cfg.sr_seed if cfg.precision == "bf16-sr" else None
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
         self._failed: str | None = None  # the error a step ended in: every later call raises it until close()
         self._timeline: Timeline | None = None
-        self._policy = choices.policy
+        rule = choices.rule
+        self._policy = StepPolicy(rule.grad_accum, rule.max_grad_norm, rule.speculative, rule.sums_on_device)
         self._hf_checkpointing = hf_checkpointing_enabled(model)
         if self._hf_checkpointing:
             disable_activation_checkpointing(model)  # the Offloader checkpoints each layer itself
         self._backend: Backend = make_backend(
-            backend, self.device, precision, num_threads=num_threads, pin_threads=pin_threads, host_nice=host_nice,
-            params_first=params_first,
-            slice_elements=slice_elements, async_step=async_step is not False, **choices.backend_options(),
-            sr_seed=sr_seed)
+            t.backend, self.device, cfg.precision, num_threads=t.num_threads, pin_threads=t.pin_threads,
+            host_nice=t.host_nice, params_first=t.params_first, slice_elements=t.slice_elements,
+            async_step=t.async_step is not False, **choices.backend_options(), sr_seed=cfg.sr_seed)
         # The memory checks, nothing allocated yet: the host buffers (the backend's plan), then the device's.
         self._backend.plan(choices.sizes, choices.own_grads)
         check_device_memory(model, settings, choices, self.device, group_of)
@@ -212,21 +163,21 @@ class Offloader(torch.optim.Optimizer):
             self._host: list[LayerBuffers] = [fill_unit(u, self._backend, self.device, own_grads=not part.layers,
                                                         weights=weights, pool=readers)
                                               for part in self.layout.parts for u in part.units]
-        self._rings, self._grad_paths = self._device_side(device_layers, eager_uploads)
+        self._rings, self._grad_paths = self._device_side(t.device_layers, t.eager_uploads)
         t2 = time.perf_counter()
-        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, precision,
-                                           self._hyper_dicts(), group_of, sr_seed)
+        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, cfg.precision,
+                                           self._hyper_dicts(), group_of, cfg.sr_seed)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         for path in self._grad_paths:
             path.hook()
-        self._compile_layers = compile_layers
+        self._compile_layers = cfg.compile_layers
         self._saved = SavedWeights(self._rings[:len(self.layout.stacks)])
-        self._host_activations = HostActivations(self.device) if activation_offload else None
-        self.activation_checkpointing = activation_checkpointing
-        self._budget = gpu_memory_budget
+        self._host_activations = HostActivations(self.device) if cfg.activation_offload else None
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self._budget = cfg.gpu_memory_budget
         self.auto_choice: dict[str, int] | None = None  # "auto"'s measured choice, from the second step on
-        self._checkpointed = checkpointed_count(activation_checkpointing, self.layout.fewest_stack_layers)
-        self._saved.measuring = activation_checkpointing == "auto"
+        self._checkpointed = checkpointed_count(cfg.activation_checkpointing, self.layout.fewest_stack_layers)
+        self._saved.measuring = cfg.activation_checkpointing == "auto"
         self._wrap_layers()
         self._restart_rings()
 
@@ -505,13 +456,16 @@ class Offloader(torch.optim.Optimizer):
         self._restart_rings(stepped=False)
 
     @classmethod
-    def from_config(cls, config: Any, seed: int = 0, **kwargs: Any) -> Offloader:
+    def from_config(cls, model_config: Any, seed: int = 0, config: OffloadConfig | None = None,
+                    **kwargs: Any) -> Offloader:
         """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
         module's weights drawn by the model's own init rule straight into the host buffers and the device,
         the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
-        # Drawn on the training device: a GPU draws 8 B parameters in seconds, the CPU took minutes (run 35).
-        model, weights = from_config_empty(config, seed=seed, device=resolve_device(kwargs.get("device", "cuda")))
-        return cls(model, weights=weights, **kwargs)
+        optimizer = {k: kwargs.pop(k) for k in _OPTIMIZER_ARGS if k in kwargs}
+        cfg = OffloadConfig.from_options(config, **kwargs)
+        # Drawn on the training device: a GPU draws an 8 B model's parameters in seconds, the CPU in minutes.
+        model, weights = from_config_empty(model_config, seed=seed, device=resolve_device(cfg.device))
+        return cls(model, config=cfg, weights=weights, **optimizer)
 
     def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:
         """Write the model as transformers does (config.json, safetensors shards of at most max_shard_size

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from offload_ext.config import parse_size
 
 PAGE = 4096
 # Room each native block leaves for its start past a page boundary (Engine.next_offset) and the rounding of
@@ -26,20 +27,6 @@ Sizes = tuple[tuple[int, int], ...]
 def page_round(nbytes: int) -> int:
     """What a native pool takes for a block of `nbytes` (PinnedPool::reserve_blocks)."""
     return aligned(max(nbytes, 1), PAGE)
-
-
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
-_UNITS = {"": 1e9, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size written as '125GB', '139GiB', '64 g' or a bare number of GB."""
-    match = _SIZE.fullmatch(str(text))
-    if not match:
-        raise ValueError(f"expected a size such as 125GB, 139GiB or 80 (GB), got {text!r}")
-    number, unit = float(match[1]), (match[2] or "").lower()
-    base = 1 << 10 * " kmgt".index(unit[0]) if "i" in unit else _UNITS[unit[:1]]
-    return int(number * base)
 
 
 def available_host_bytes(total: int | None = None) -> int | None:

@@ -1,28 +1,25 @@
 """Memory model: the host RAM (pinned and pageable) and the GPU memory a model needs under the Offloader's
 settings, and the largest batch x seq that fits, all worked out from shapes before anything is allocated.
 
-The Offloader takes its decisions (layout, step policy, which units speculate) from `choose`, its backend
-sizes its host buffers with backends/sizes.py, and its device parts allocate what `DeviceFacts` counts, so
-a plan and a real run share one computation. The host figures are exact: the blocks the engine reserves.
-The GPU figures count each device buffer the way it is allocated, and for activations a Llama-style
-decoder layer and the chunked loss (`layer_activation_bytes`, `loss_rows`: what a checkpointed layer's
-and the loss's live tensors add up to, see their docstrings); what torch's allocator statistics do not
-see is a stated margin. planning.py turns these into offload_ext.plan and the refusals.
+The Offloader takes its decisions (layout, step policy, which units speculate) from `choose`
+(planning/choices.py), its backend sizes its host buffers with planning/host_sizes.py, and its device parts
+allocate what `DeviceFacts` counts (planning/gpu.py), so a plan and a real run share one computation. The host
+figures are exact: the blocks the engine reserves. The GPU figures count each device buffer the way it is
+allocated, and for activations a Llama-style decoder layer and the chunked loss (`layer_activation_bytes`,
+`loss_rows`: what a checkpointed layer's and the loss's live tensors add up to, see their docstrings); what
+torch's allocator statistics do not see is a stated margin. planning/plan.py turns these into offload_ext.plan
+and the refusals.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from offload_ext.engine.device_redo import REDO_SETS, redo_element_bytes, redo_piece
-from offload_ext.engine.grad_path import sums_on_device
-from offload_ext.engine.kept_layers import CHECKPOINTING, checkpointed_count
-from offload_ext.engine.step_policy import StepPolicy
+from offload_ext.planning.choices import EngineChoices, Settings, checkpointed_count, choose
+from offload_ext.planning.gpu import GpuEstimate, Shape, gpu_estimate
 from offload_ext.planning.host_sizes import (
     Alternative,
     HostNeed,
@@ -32,93 +29,12 @@ from offload_ext.planning.host_sizes import (
     python_alternatives,
     python_host_need,
 )
-from offload_ext.planning.layout import GroupOf, Layout, device_redo_units, plan_layout, speculative_units
+from offload_ext.planning.layout import GroupOf
 
 _GB = 1e9
-# What torch.cuda.max_memory_allocated sees beyond the Offloader's tensors: the cuBLAS workspace of the
-# compute stream (torch's default on Hopper, :4096:8), allocated through the caching allocator.
-CUBLAS_WORKSPACE = 32 << 20
-# Estimates for what it does not see, added before comparing with free memory: the caching allocator
-# reserves more than it hands out (fragmentation), and kernels loaded on first use and library handles
-# take device memory outside it.
-FRAGMENTATION = 0.05
-OUTSIDE_ALLOCATOR = 256 << 20
-# A device planned from its size (gpu_memory=) loses the CUDA context before torch allocates anything.
-CUDA_CONTEXT = 512 << 20
 # Host memory of the CUDA runtime and torch's CUDA kernels once a context exists (an estimate: the GPU
 # machine's processes held about 2 GB before their first buffer, the interpreter and torch included).
 CUDA_HOST = 1_500_000_000
-
-
-@dataclass(frozen=True)
-class EngineChoices:
-    """What the Offloader decides from the model and its settings before allocating anything."""
-
-    layout: Layout
-    policy: StepPolicy
-    grad_slots: int | None
-    speculative_units: frozenset[int]
-    kept_layers: bool  # some streamed layers may run without recompute
-    device_redo_units: frozenset[int] = frozenset()  # their clipped redos run on the device
-
-    @property
-    def sizes(self) -> tuple[tuple[int, int], ...]:
-        """(numel, trainable numel) of every stack's unit, what the backend's plan() and prepare() are told."""
-        return tuple((u.numel, u.trainable_numel) for part in self.layout.stacks for u in part.units)
-
-    @property
-    def own_grads(self) -> tuple[tuple[int, int], ...]:
-        """The same for the part outside the stacks (offload_all), whose unit has a gradient buffer of its own."""
-        outside = self.layout.outside
-        return tuple((u.numel, u.trainable_numel) for u in outside.units) if outside is not None else ()
-
-    def backend_options(self) -> dict[str, Any]:
-        """The backend's keyword arguments these choices fix."""
-        return dict(grad_slots=self.grad_slots, accumulate=self.policy.accumulates,
-                    grad_accum=self.policy.host_grad_accum, speculative_units=self.speculative_units,
-                    kept_layers=self.kept_layers,
-                    device_redo_units=self.device_redo_units)
-
-
-def choose(model: nn.Module, settings: Settings, device: torch.device, group_of: GroupOf,
-           free_device: int | None = None) -> EngineChoices:
-    """The layout, the step policy and the units that speculate under clipping (`free_device`: what the
-    device may still allocate, for the choice of summing micro-batches there; None asks the device)."""
-    s = settings
-    layout = plan_layout(model, s.offload_all, group_of, s.resident_layers)
-    # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
-    policy = StepPolicy(s.grad_accum, s.max_grad_norm, s.speculative_clip and s.backend == "native",
-                        sums_on_device(s.accumulate_on_device, s.grad_accum, layout.parts, device, free_device))
-    spec = speculative_units(layout) if policy.speculative else frozenset()
-    ckpt, n = s.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
-    # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
-    kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
-    redo = device_redo_units(layout, device_redo_per_stack(s, policy.speculative, n)) & spec
-    return EngineChoices(layout, policy, s.grad_slots, spec, kept, redo)
-
-
-def device_redo_per_stack(s: Settings, speculative: bool, stack_layers: int) -> int:
-    """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
-    micro-batches (each layer's gradient kept on the host), in "bf16" or "mixed" (the CUDA kernel has no
-    stochastic rounding). None: a third of each stack, where it applies.
-    The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
-    ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
-    the host to keep n (g - a) / (g - a + c) layers (B1, run 56: g ~12.5, c ~9, a ~3.3: half). Measured, B1
-    lost more than that model says as the device took more layers (run 57: a third or less gained up to
-    7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
-    applies = speculative and s.grad_accum == 1 and s.precision in ("bf16", "mixed")
-    asked = s.device_redo_layers
-    if asked is None:
-        return stack_layers // 3 if applies else 0
-    if type(asked) is not int or not 0 <= asked <= stack_layers:
-        raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
-                         f"(layers of the shortest stack), got {asked!r}")
-    if asked and not applies:
-        raise ValueError("Offloader: device_redo_layers > 0 needs speculative clipping of single micro-batches "
-                         "(max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1) in precision "
-                         f"'bf16' or 'mixed'; got precision={s.precision!r}, grad_accum={s.grad_accum}, "
-                         f"speculative={speculative}: pass device_redo_layers=None or 0")
-    return asked
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -141,13 +57,13 @@ def host_plan(choices: EngineChoices, backend: str, precision: str, available: i
         sizes, own, spec = frozen_units(sizes), frozen_units(own), frozenset()
     if backend == "native":
         asked = NativeHostPlan.choose(precision, sizes, own, grad_slots=choices.grad_slots,
-                                      accumulate=choices.policy.accumulates, speculative_units=spec,
-                                      grad_accum=choices.policy.host_grad_accum, kept_layers=choices.kept_layers,
+                                      accumulate=choices.rule.accumulates, speculative_units=spec,
+                                      grad_accum=choices.rule.host_grad_accum, kept_layers=choices.kept_layers,
                                       device_redo_units=choices.device_redo_units)
         fitted = asked.fitted(available)
         counts = (len(fitted.speculative_units), len(asked.speculative_units)) if asked.speculative_units else None
         return HostPlan(fitted.need(), tuple(fitted.alternatives()), counts)
-    args = (precision, sizes, own, choices.policy.accumulates)
+    args = (precision, sizes, own, choices.rule.accumulates)
     return HostPlan(python_host_need(*args), tuple(python_alternatives(*args)), None)
 
 
@@ -156,296 +72,7 @@ def process_rss() -> int:
     return proc_bytes("/proc/self/status", "VmRSS").get("VmRSS", 0)
 
 
-# ---------------------------------------------------------------------------------------------- device
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The sizes the activation terms need: a decoder layer's and the head's."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def of(cls, model: nn.Module) -> Shape | None:
-        """From the model's config (a transformers config, also through a peft wrapper); None without one."""
-        cfg = getattr(model, "config", None)
-        hidden = getattr(cfg, "hidden_size", None)
-        if not isinstance(hidden, int):
-            return None
-        heads = getattr(cfg, "num_attention_heads", None) or 1
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-        head = _output_weight(model)
-        vocab = head.shape[0] if head is not None else getattr(cfg, "vocab_size", 0)
-        return cls(hidden, inter, heads, kv, head_dim, vocab)
-
-
-def _output_weight(model: nn.Module) -> nn.Parameter | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    return getattr(head, "weight", None)
-
-
-def _input_weight(model: nn.Module) -> nn.Parameter | None:
-    getter = getattr(model, "get_input_embeddings", None)
-    embedding = getter() if callable(getter) else None
-    return getattr(embedding, "weight", None)
-
-
-def layer_activation_bytes(shape: Shape, tokens: int, largest_param: int) -> int:
-    """Peak bytes a checkpointed Llama-style decoder layer (RMSNorm, rotary, SDPA, gated MLP) holds during
-    its recompute and backward, beyond its input and its output's gradient: what a layer's live tensors
-    add up to at the peak of its MLP's backward (tests/test_memory_plan.py tracks them). Per token:
-    both norms keep their input in fp32 and their output in bf16 (12 bytes per hidden unit), q after rotary,
-    the attention output, the residual sum, the norms' weighted outputs and the projections' inputs (10
-    more); k and v (2 bytes each per kv unit); the attention's log-sum-exp (fp32 per head); the norms'
-    rsqrt. In the MLP, gate, silu(gate), up, their product and the product's gradient (2 bytes each per
-    intermediate unit), and last either the second of the product's gradients or down_proj's weight
-    gradient (before its hook moves it into the flat gradient buffer), whichever is larger."""
-    t, h, i = tokens, shape.hidden, shape.intermediate
-    return (22 * t * h + 10 * t * i + max(2 * t * i, 2 * largest_param) + 4 * t * shape.kv_heads * shape.head_dim
-            + 4 * t * shape.heads + 8 * t)
-
-
-def kept_layer_bytes(shape: Shape, batch: int, seq: int) -> int:
-    """Bytes a Llama-style decoder layer run without recompute saves for its backward beyond its input (what
-    activation_checkpointing keeps per kept layer), measured on the simulated device by "auto"'s count
-    (tests/test_memory_plan.py): per token 20 bytes per hidden unit (the norms' fp32 inputs and normalised
-    values, their bf16 outputs, q, the attention output, the projections' inputs), 8 per intermediate unit
-    (gate, silu(gate), up, their product), k and v (2 bytes each per kv unit), the attention's log-sum-exp
-    (fp32 per head) and the norms' rsqrt; per position the rotary cos and sin (bf16, shared by the batch)."""
-    t, h, i = batch * seq, shape.hidden, shape.intermediate
-    return t * (20 * h + 8 * i + 4 * shape.kv_heads * shape.head_dim + 4 * shape.heads + 8) + 4 * shape.head_dim * seq
-
-
-def loss_rows(shape: Shape, batch: int, seq: int, chunk_tokens: int, native: bool,
-              head_grad: int) -> list[tuple[str, int]]:
-    """The loss's peak (losses.lm_head_loss) on top of the checkpointed inputs: the final norm's saved
-    input (fp32) and output (bf16), the head's input (a copy when batch > 1) and its gradient, one chunk
-    of logits and the head's weight gradient. The native cross-entropy writes the logits' gradient over
-    the logits (2 bytes per logit); torch's keeps fp32 log-softmax output and two fp32 gradients at its
-    peak (12). With more than one chunk the checkpointed ones are recomputed in backward and each one's
-    head gradient is summed into the previous ones' (two of them at once); the native path's peak holds
-    the head gradient, torch's only from the second chunk on (`head_grad`: 0 for a frozen head)."""
-    rows = max(1, batch * (seq - 1))
-    chunk = min(chunk_tokens, rows)
-    several = rows > chunk
-    logits = (2 if native else 12) * chunk * shape.vocab
-    grads = head_grad * ((2 if several else 1) if native else (1 if several else 0))
-    around = 6 * batch * seq * shape.hidden + 4 * rows * shape.hidden
-    return [(f"{chunk} x {shape.vocab} logits ({'native' if native else 'torch'} cross-entropy)", logits),
-            ("the head's weight gradient" + (" (two chunks' at once)" if several and native else ""), grads),
-            ("the final norm's and the head's inputs, a gradient", around)]
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """The device-side sizes of a layout: parameters kept there and the Offloader's device buffers."""
-
-    outer: int               # numel of the parameters outside the stacks kept on the device
-    outer_trainable: int
-    resident: int            # numel of the resident layers' parameters
-    resident_trainable: int
-    head_side: int           # trainable device numel whose gradients exist from the loss on (not the embedding's)
-    head_grad: int           # bytes of the head's weight gradient (0: frozen)
-    embedding_grad: int      # bytes of the input embedding's weight gradient (0: frozen)
-    tied: bool               # the head's weight is the input embedding's (and trained)
-    ring: int                # bytes of the layer buffers
-    grad_buffers: int        # bytes of the gradient buffers (staging, or one sum per unit on the device)
-    ring_layers: int         # layer buffers per stack
-    checkpointed: int        # layers whose input is kept through forward (streamed and resident)
-    largest_param: int       # numel of the largest trainable parameter inside a layer
-    kept: int = 0            # layers run without recompute, their saved tensors kept (kept_layer_bytes each)
-
-    @classmethod
-    def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False,
-           kept_per_stack: int = 0) -> DeviceFacts:
-        """`frozen`: as if every parameter were frozen (LoRA's base, its adapters not counted); `kept_per_stack`:
-        the top layers of each stack that run without recompute."""
-        layout = choices.layout
-        trains = (lambda p: False) if frozen else (lambda p: p.requires_grad)
-        resident = {id(p) for layer in layout.resident for p in layer.parameters()}
-        outer = [p for p in layout.device_params if id(p) not in resident]
-        kept = [p for p in layout.device_params if id(p) in resident]
-        embedding, head = _input_weight(model), _output_weight(model)
-        side = [p for p in outer if trains(p) and (p is not embedding or p is head)]
-        # Kept on the device or (offload_all) hosted, the head's .grad is made whole in the loss's backward.
-        head_grad = 2 * head.numel() if head is not None and trains(head) else 0
-        embedding_grad = 2 * embedding.numel() if embedding is not None and trains(embedding) else 0
-        ring = grad = 0
-        for part in layout.parts:
-            largest = max(u.numel for u in part.units)
-            trainable = [u.trainable_numel if not frozen else 0 for u in part.units]
-            buffers = min(len(part.units), device_layers) if part.layers else 1
-            ring += 2 * buffers * largest
-            grad += (2 * sum(trainable) if choices.policy.sums_on_device
-                     else 2 * min(2, buffers) * max(1, max(trainable)))
-        streamed = [s.param for part in layout.stacks for u in part.units for s in u.spans]
-        largest_param = max((p.numel() for p in (*streamed, *kept) if trains(p)), default=0)
-        no_recompute = kept_per_stack * len(layout.stacks)
-        return cls(sum(p.numel() for p in outer), sum(p.numel() for p in outer if trains(p)),
-                   sum(p.numel() for p in kept), sum(p.numel() for p in kept if trains(p)),
-                   sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
-                   ring, grad,
-                   min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   layout.stack_layers - no_recompute, largest_param, no_recompute)
-
-
-def redo_buffer_bytes(layout: Layout, units: frozenset[int], precision: str) -> int:
-    """offload_ext.engine.device_redo's buffers for these units: REDO_SETS sets of one piece of each span."""
-    largest = max((u.trainable_numel for part in layout.stacks for u in part.units if u.index in units), default=0)
-    return REDO_SETS * redo_element_bytes(precision) * redo_piece(largest)
-
-
-def _state_bytes(precision: str) -> int:
-    """Device bytes per trainable parameter of the device optimizer's state: torch's AdamW keeps its moments
-    in the parameter's dtype (bf16); "mixed" steps fp32 masters (4) with fp32 moments (8)."""
-    return 12 if precision == "mixed" else 4
-
-
-@dataclass(frozen=True)
-class GpuEstimate:
-    """Device memory as torch.cuda.max_memory_allocated would read it: what stays allocated through the run
-    (`static`) and, for each phase of a step, what comes on top of it; plus the margin not seen there."""
-
-    static: tuple[tuple[str, int], ...]
-    phases: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
-    cuda: bool  # a CUDA device: the margins apply
-
-    @property
-    def static_bytes(self) -> int:
-        return sum(b for _, b in self.static)
-
-    def phase_bytes(self, name: str) -> int:
-        return sum(b for _, b in dict(self.phases)[name])
-
-    @property
-    def peak_phase(self) -> str | None:
-        return max(dict(self.phases), key=self.phase_bytes) if self.phases else None
-
-    @property
-    def peak(self) -> int:
-        return self.static_bytes + (self.phase_bytes(self.peak_phase) if self.phases else 0)
-
-    @property
-    def margin(self) -> int:
-        return int(FRAGMENTATION * self.peak) + OUTSIDE_ALLOCATOR if self.cuda else 0
-
-    @property
-    def needed(self) -> int:
-        return self.peak + self.margin
-
-
-Rows = tuple[tuple[str, int], ...]
-
-
-def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, device_layers: int, cuda: bool,
-                 batch: int | None = None, seq: int | None = None, chunk_tokens: int = 4096,
-                 native_loss: bool = True, frozen: bool = False, kept_per_stack: int = 0,
-                 activation_offload: bool = False) -> GpuEstimate:
-    """Device memory of the Offloader with these choices; with `batch` and `seq`, of training on that batch
-    (each backward's micro-batch) too; `kept_per_stack` top layers of each stack run without recompute."""
-    f = DeviceFacts.of(model, choices, device_layers, frozen, kept_per_stack)
-    if activation_offload:  # the checkpointed inputs on the device: the one in use and the next one down
-        f = dataclasses.replace(f, checkpointed=min(f.checkpointed, 2))
-    state = _state_bytes(precision)
-    kind = " (fp32 masters, moments)" if precision == "mixed" else " (bf16 moments)"
-    static = [("params outside the stacks (bf16)", 2 * f.outer),
-              ("their optimizer state" + kind, state * f.outer_trainable),
-              ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
-              (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
-              ("gradient buffers" + (" (a sum per layer)" if choices.policy.sums_on_device else ""), f.grad_buffers),
-              ("clipped redos on the device",
-               0 if frozen else redo_buffer_bytes(choices.layout, choices.device_redo_units, precision))]
-    if cuda:
-        static.append(("cuBLAS workspace", CUBLAS_WORKSPACE))
-    accumulating = choices.policy.grad_accum > 1
-    shape = Shape.of(model)
-    tokens = batch * seq if batch and seq and shape is not None else 0
-    phases = [_embedding_phase(f, tokens * shape.hidden if tokens else 0, accumulating), *_step_phases(f, precision)]
-    if tokens:
-        phases += _backward_phases(f, shape, batch, seq, chunk_tokens, native_loss, accumulating)
-    return GpuEstimate(tuple(static), tuple(phases), cuda)
-
-
-def _held_grads(f: DeviceFacts, accumulating: bool) -> int:
-    """Gradients of device parameters held through a backward after the loss's: the head's side (in a later
-    micro-batch of an accumulation every device parameter's .grad). A tied head's gradient waits in
-    autograd's input buffer for the embedding's, beside the .grad an accumulation already holds."""
-    if not accumulating:
-        return 2 * f.head_side
-    return 2 * (f.outer_trainable + f.resident_trainable) + (f.head_grad if f.tied else 0)
-
-
-def _embedding_phase(f: DeviceFacts, token_units: int, accumulating: bool) -> tuple[str, Rows]:
-    """The end of backward: the input embedding's dense weight gradient, new, beside the gradients already
-    held (and the resident layers', just made). Tied to the head, or accumulating, it is summed into an
-    existing gradient and so comes on top of it; `token_units` (tokens x hidden) sizes the backward's fp32
-    partial sums."""
-    held = _held_grads(f, accumulating) + (0 if accumulating else 2 * f.resident_trainable)
-    return ("embedding backward", (("gradients held by then", held), ("the embedding's new weight gradient",
-                                                                       f.embedding_grad),
-                                   ("its fp32 partial sums", 4 * token_units if f.embedding_grad else 0)))
-
-
-def _step_phases(f: DeviceFacts, precision: str) -> list[tuple[str, Rows]]:
-    """After backward: the device optimizer's step over every device gradient ("mixed" steps fp32 copies of
-    them), and state_dict(), which copies the device optimizer's state on the device (its moments; the
-    masters go to the host)."""
-    trainable = f.outer_trainable + f.resident_trainable
-    moments = 8 if precision == "mixed" else 4
-    fp32 = 4 * trainable if precision == "mixed" else 0
-    return [("optimizer step", (("gradients of the parameters on the device", 2 * trainable),
-                                ("their fp32 copies (mixed)", fp32))),
-            ("state_dict", (("a copy of the device optimizer's moments", moments * trainable),))]
-
-
-def _backward_phases(f: DeviceFacts, shape: Shape, batch: int, seq: int, chunk_tokens: int, native_loss: bool,
-                     accumulating: bool) -> list[tuple[str, Rows]]:
-    """The loss's backward and the top layer's, each on top of every layer's checkpointed input. Gradients of
-    the parameters outside the stacks persist through the later micro-batches of an accumulation."""
-    tokens = batch * seq
-    ckpt = ("checkpointed layer inputs", 2 * f.checkpointed * tokens * shape.hidden)
-    kept = ("kept layers' saved tensors", f.kept * kept_layer_bytes(shape, batch, seq))
-    all_grads = 2 * (f.outer_trainable + f.resident_trainable)
-    layer = (ckpt, kept, ("one layer's recompute and backward", layer_activation_bytes(shape, tokens, f.largest_param)),
-             ("the gradient of its output", 2 * tokens * shape.hidden),
-             ("gradients of the head's side", _held_grads(f, accumulating)))
-    loss = (ckpt, kept, *loss_rows(shape, batch, seq, chunk_tokens, native_loss, f.head_grad),
-            ("gradients held from earlier micro-batches", all_grads if accumulating else 0))
-    return [("layer backward", layer), ("loss", loss)]
-
-
 # ---------------------------------------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The Offloader's settings that decide memory, and the batch planned for."""
-
-    precision: str = "bf16"
-    backend: str = "native"
-    grad_slots: int | None = None
-    device_layers: int = 2
-    offload_all: bool = False
-    grad_accum: int = 1
-    max_grad_norm: float | None = None
-    speculative_clip: bool = True
-    accumulate_on_device: bool | None = None
-    resident_layers: int = 0
-    device_redo_layers: int | None = None  # see device_redo_per_stack
-    batch_size: int | None = None
-    seq_len: int | None = None
-    loss_chunk_tokens: int = 4096
-    loss_backend: str = "auto"
-    activation_checkpointing: str | int = "all"  # "auto" is planned as "all": it keeps what its budget holds
-    activation_offload: bool = False  # checkpointed layers' inputs on the host: two on the device at most
 
 
 @dataclass(frozen=True)
@@ -492,19 +119,21 @@ def evaluate(model: nn.Module, settings: Settings, machine: Machine, group_of: G
     """The figures of `settings` on `machine` (`frozen`: as LoRA would train, every base parameter frozen)."""
     s = settings
     choices = choose(model, s, machine.device, group_of, machine.gpu_available if machine.cuda else None)
-    host = host_plan(choices, s.backend, s.precision, machine.host_available, frozen)
+    host = host_plan(choices, s.config.tuning.backend, s.config.precision, machine.host_available, frozen)
     return Evaluation(s, choices, host, _gpu_at(model, s, choices, machine, s.batch_size, s.seq_len, frozen))
 
 
 def _gpu_at(model: nn.Module, s: Settings, choices: EngineChoices, machine: Machine, batch: int | None,
             seq: int | None, frozen: bool = False) -> GpuEstimate:
-    return gpu_estimate(model, choices, s.precision, s.device_layers, machine.cuda, batch, seq, s.loss_chunk_tokens,
-                        _native_loss(s, machine), frozen, kept_per_stack(s, choices), s.activation_offload)
+    c = s.config
+    return gpu_estimate(model, choices, c.precision, c.tuning.device_layers, machine.cuda, batch, seq,
+                        s.loss_chunk_tokens, _native_loss(s, machine), frozen, kept_per_stack(s, choices),
+                        c.activation_offload)
 
 
 def kept_per_stack(s: Settings, choices: EngineChoices) -> int:
     """The layers of each stack the plan counts as kept ("auto": none, as "all")."""
-    spec = "all" if s.activation_checkpointing == "auto" else s.activation_checkpointing
+    spec = "all" if s.config.activation_checkpointing == "auto" else s.config.activation_checkpointing
     layers = choices.layout.fewest_stack_layers
     return layers - checkpointed_count(spec, layers)
 
@@ -512,7 +141,7 @@ def kept_per_stack(s: Settings, choices: EngineChoices) -> int:
 def host_activation_bytes(model: nn.Module, s: Settings, choices: EngineChoices) -> int:
     """activation_offload's host slots for the planned batch: one bf16 input per checkpointed layer."""
     shape = Shape.of(model)
-    if not s.activation_offload or not s.batch_size or not s.seq_len or shape is None:
+    if not s.config.activation_offload or not s.batch_size or not s.seq_len or shape is None:
         return 0
     layout = choices.layout
     checkpointed = layout.stack_layers - kept_per_stack(s, choices) * len(layout.stacks)

@@ -7,7 +7,6 @@ The figures are memory_plan's: the same decisions and host blocks a real Offload
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,25 +15,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.config import Options, check_hyper, resolve_device
-from offload_ext.engine.grad_path import device_free_bytes
-from offload_ext.engine.kept_layers import check_checkpointing
+from offload_ext.config import OffloadConfig, check_hyper, parse_size, resolve_device
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.optim.param_groups import build_groups
 from offload_ext.planning import host_sizes
-from offload_ext.planning.host_sizes import parse_size
+from offload_ext.planning.choices import EngineChoices, Settings, check_checkpointing
+from offload_ext.planning.gpu import CUDA_CONTEXT, GpuEstimate, Shape, device_free_bytes, gpu_estimate
 from offload_ext.planning.layout import GroupOf
 from offload_ext.planning.memory import (
-    CUDA_CONTEXT,
     CUDA_HOST,
-    EngineChoices,
     Evaluation,
-    GpuEstimate,
     Machine,
-    Settings,
-    Shape,
     evaluate,
-    gpu_estimate,
     host_activation_bytes,
     largest_batch,
     largest_seq,
@@ -51,7 +43,7 @@ def _options(model: nn.Module, ev: Evaluation, machine: Machine, group_of: Group
     if not ev.host_fits(machine):
         options += ["host: " + a.describe(ev.host.need.total, machine.host_available) for a in ev.host.alternatives]
     if not ev.gpu_fits(machine):
-        rows = [(text, evaluate(model, dataclasses.replace(ev.settings, **change), machine, group_of))
+        rows = [(text, evaluate(model, ev.settings.with_changes(**change), machine, group_of))
                 for text, change in _gpu_changes(model, ev, machine)]
         rows.append(("LoRA (the base frozen; adapters not counted)", evaluate(model, ev.settings, machine, group_of,
                                                                               frozen=True)))
@@ -73,13 +65,13 @@ def _gpu_changes(model: nn.Module, ev: Evaluation, machine: Machine) -> list[tup
             changes.append((f"batch_size=1, seq_len={seq} (the longest at batch 1)", dict(batch_size=1, seq_len=seq)))
         if s.loss_chunk_tokens > 1024:
             changes.append(("loss_chunk_tokens=1024 (fewer logits at once)", dict(loss_chunk_tokens=1024)))
-    if s.device_layers > 2:
+    if s.config.tuning.device_layers > 2:
         changes.append(("device_layers=2", dict(device_layers=2)))
-    if s.resident_layers:
+    if s.config.tuning.resident_layers:
         changes.append(("resident_layers=0", dict(resident_layers=0)))
-    if s.precision == "mixed":
+    if s.config.precision == "mixed":
         changes.append(("precision='bf16' (no fp32 masters on the device)", dict(precision="bf16")))
-    if not s.offload_all and ev.choices.layout.device_params:
+    if not s.config.offload_all and ev.choices.layout.device_params:
         changes.append(("offload_all=True (the embeddings' and head's state on the host)", dict(offload_all=True)))
     return changes
 
@@ -169,15 +161,16 @@ class MemoryPlan:
         return "\n".join(line.rstrip() for line in lines)
 
     def _title(self) -> str:
-        s = self.settings
-        parts = [self.model, s.precision, f"{s.backend} backend", self.device,
+        s, c = self.settings, self.settings.config
+        parts = [self.model, c.precision, f"{c.tuning.backend} backend", self.device,
                  f"batch {s.batch_size} x {s.seq_len}" if s.batch_size and s.seq_len else "no batch given"]
-        if s.grad_accum > 1:
-            parts.append(f"grad_accum {s.grad_accum}")
-        if s.max_grad_norm is not None:
-            parts.append(f"max_grad_norm {s.max_grad_norm}" + ("" if s.speculative_clip else ", not speculative"))
-        if s.resident_layers:
-            parts.append(f"{s.resident_layers} resident layers")
+        if c.grad_accum > 1:
+            parts.append(f"grad_accum {c.grad_accum}")
+        if c.max_grad_norm is not None:
+            speculative = "" if c.tuning.speculative_clip else ", not speculative"
+            parts.append(f"max_grad_norm {c.max_grad_norm}{speculative}")
+        if c.tuning.resident_layers:
+            parts.append(f"{c.tuning.resident_layers} resident layers")
         return "memory plan: " + ", ".join(parts)
 
     def _host_lines(self) -> list[str]:
@@ -285,7 +278,8 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
     params = sum(p.numel() for p in model.parameters())
     name = f"{type(model).__name__} ({params / 1e9:.2f} B params)"
     return MemoryPlan(name, settings, str(machine.device), ev.host.need.by_what(), machine.host_available, process,
-                      _checkpoint_bytes(ev, settings.precision), ev.host.speculating, ev.gpu, machine.gpu_available,
+                      _checkpoint_bytes(ev, settings.config.precision), ev.host.speculating, ev.gpu,
+                      machine.gpu_available,
                       machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
                       tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),
                       host_activation_bytes(model, settings, ev.choices))
@@ -346,44 +340,31 @@ def _model_of(model_or_config: Any, lora_r: int | None, lora_alpha: float | None
     return model
 
 
-def plan(model_or_config: Any, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-         weight_decay: float = 0.0, precision: str = "bf16", backend: str = "native",
-         device: str | torch.device = "cuda", *, compile_layers: bool = False, num_threads: int | None = None,
-         pin_threads: bool = True, grad_slots: int | None = None, slice_elements: int | None = None,
-         device_layers: int = 2, offload_all: bool = False, grad_accum: int = 1, max_grad_norm: float | None = None,
-         async_step: bool | None = None, groups: Sequence[dict[str, Any]] | None = None,
-         no_decay: Sequence[str] = (), speculative_clip: bool = True, accumulate_on_device: bool | None = None,
-         resident_layers: int = 0, device_redo_layers: int | None = None, weights: Any = None,
-         batch_size: int | None = None, seq_len: int | None = None,
-         loss_chunk_tokens: int = 4096, loss_backend: str = "auto", lora_r: int | None = None,
-         lora_alpha: float | None = None, lora_targets: Sequence[str] = ("q_proj", "v_proj"),
-         host_memory: int | str | None = None, gpu_memory: int | str | None = None,
-         sr_seed: int = 0, activation_checkpointing: str | int = "all",
-         gpu_memory_budget: int | None = None, activation_offload: bool = False,
-         eager_uploads: bool = True, host_nice: int = 0, params_first: bool = True) -> MemoryPlan:
-    """The memory plan of `Offloader(model, ...)` with these arguments (the constructor's names and defaults;
-    those that do not change memory are checked and accepted so the same keywords can be passed), trained
-    on micro-batches of `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens,
-    backend=loss_backend). `model_or_config`: a module (real or on the meta device; a peft model for LoRA),
-    a transformers config, or a config's directory or hub id (built on the meta device, with LoRA
-    adapters of rank `lora_r` on `lora_targets`). Nothing is allocated. `host_memory` and `gpu_memory`
-    plan for a machine of that size instead of this one (needed for a CUDA device where there is none)."""
-    Options(precision, backend, compile_layers, num_threads, pin_threads, grad_slots, slice_elements, device_layers,
-            offload_all, grad_accum, max_grad_norm, async_step, host_nice)
+def plan(model_or_config: Any, config: OffloadConfig | None = None, *, batch_size: int | None = None,
+         seq_len: int | None = None, loss_chunk_tokens: int = 4096, loss_backend: str = "auto",
+         lora_r: int | None = None, lora_alpha: float | None = None,
+         lora_targets: Sequence[str] = ("q_proj", "v_proj"), host_memory: int | str | None = None,
+         gpu_memory: int | str | None = None, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999),
+         eps: float = 1e-8, weight_decay: float = 0.0, groups: Sequence[dict[str, Any]] | None = None,
+         no_decay: Sequence[str] = (), weights: Any = None, **options: Any) -> MemoryPlan:
+    """The memory plan of `Offloader(model, config=config, **options)`, trained on micro-batches of
+    `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens, backend=loss_backend).
+    `model_or_config`: a module (real or on the meta device; a peft model for LoRA), a transformers config,
+    or a config's directory or hub id (built on the meta device, with LoRA adapters of rank `lora_r` on
+    `lora_targets`). The optimizer's arguments are checked as the Offloader checks them, so the same keywords
+    can be passed. Nothing is allocated. `host_memory` and `gpu_memory` plan for a machine of that size
+    instead of this one (needed for a CUDA device where there is none)."""
+    cfg = OffloadConfig.from_options(config, owner="plan", **options)
     check_hyper(lr, tuple(betas), eps, weight_decay)
     if (batch_size is None) != (seq_len is None) or (batch_size is not None and min(batch_size, seq_len) < 1):
         raise ValueError(f"plan: give batch_size and seq_len together, each at least 1 (got {batch_size}, {seq_len})")
     model = _model_of(model_or_config, lora_r, lora_alpha, lora_targets)
     _, group_of = build_groups(model, groups, no_decay)
-    settings = Settings(precision=precision, backend=backend, grad_slots=grad_slots, device_layers=device_layers,
-                        offload_all=offload_all, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-                        speculative_clip=speculative_clip, accumulate_on_device=accumulate_on_device,
-                        resident_layers=resident_layers, device_redo_layers=device_redo_layers,
-                        batch_size=batch_size, seq_len=seq_len,
-                        loss_chunk_tokens=loss_chunk_tokens, loss_backend=loss_backend,
-                        activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
-    layers = resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
-    check_checkpointing(activation_checkpointing, layers, gpu_memory_budget, torch.device(device))
+    settings = Settings(cfg, batch_size=batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens,
+                        loss_backend=loss_backend)
+    layers = cfg.tuning.resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
+    device = torch.device(cfg.device)
+    check_checkpointing(cfg.activation_checkpointing, layers, cfg.gpu_memory_budget, device)
     return plan_for(model, settings, machine(device, host_memory, gpu_memory, model), group_of)
 
 
@@ -395,7 +376,7 @@ def check_device_memory(model: nn.Module, settings: Settings, choices: EngineCho
     if device.type != "cuda":
         return
     here = Machine(device, None, _free_for(model, device))
-    gpu = gpu_estimate(model, choices, settings.precision, settings.device_layers, cuda=True)
+    gpu = gpu_estimate(model, choices, settings.config.precision, settings.config.tuning.device_layers, cuda=True)
     if gpu.needed <= here.gpu_available:
         return
     ev = Evaluation(settings, choices, evaluate(model, settings, here, group_of).host, gpu)

@@ -1,9 +1,6 @@
-"""offload-train: train a causal LM with CPU offload (or without, for comparison) on one device, or with
---fsdp under torchrun on several (offload_ext.train.fsdp_trainer).
-
-With no arguments it runs an embedded default that needs no download: a small Llama config (tiny on a
-CPU), the Python standard library's own sources as text, and a BPE tokenizer trained on them in seconds.
-"""
+"""offload-train's run: the set-up in order (inputs, data, model, memory plan, trainer), the training loop
+with its metrics and checkpoints, and the one-line refusals of bad input (flags and configs: train/flags.py;
+the FSDP2 run: train/fsdp_trainer.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,15 +19,14 @@ import torch
 
 from offload_ext.engine.timeline import Timeline
 from offload_ext.models.lora import add_lora
-from offload_ext.models.losses import BACKENDS
 from offload_ext.models.weights import from_config_empty
 from offload_ext.planning.plan import MemoryPlan, plan
 from offload_ext.train import data as data_mod
 from offload_ext.train import run_dir
+from offload_ext.train.flags import offload_config, parse_args, run_flags, train_config
 from offload_ext.train.gpu_warmup import GpuWarmup
-from offload_ext.train.inputs import check_inputs, check_numbers
+from offload_ext.train.inputs import check_inputs
 from offload_ext.train.setup import (
-    BUILTIN,
     UsageError,
     apply_defaults,
     build_model,
@@ -41,134 +37,7 @@ from offload_ext.train.setup import (
     planned_vocab,
     resolve_device,
 )
-from offload_ext.train.trainer import Trainer, offloader_kwargs, run_flags
-
-
-def _checkpointing(value: str) -> str | int:
-    """--activation-checkpointing's value: a name, or a number of layers."""
-    return int(value) if value.isdigit() else value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's errors as offload-train's: one line and exit status 2, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (offload-train --help lists the options)\n")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, each numeric flag in its range (a UsageError otherwise)."""
-    ap = _Parser(prog="offload-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="auto",
-                    help=f"built-in config ({', '.join(BUILTIN)}; auto = small on a GPU, tiny on a CPU), "
-                         "a local directory, or a hub id")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--from-scratch", dest="pretrained", action="store_false",
-                   help="random init from the model's config (default for built-in configs and a directory "
-                        "without weights)")
-    g.add_argument("--pretrained", dest="pretrained", action="store_true",
-                   help="load the model's weights (default for a directory with weights, or a hub id)")
-    ap.set_defaults(pretrained=None)
-    ap.add_argument("--dataset", default=data_mod.EMBEDDED,
-                    help="'stdlib' (embedded), a datasets hub id, a local dataset directory or a data file")
-    ap.add_argument("--text-field", default="text")
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--streaming", action="store_true")
-    ap.add_argument("--tokenizer", default=None, help="HF tokenizer (hub id, directory or tokenizer.json file); "
-                                                      "default: the model's, or one trained on the embedded corpus")
-    ap.add_argument("--batch-size", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
-    ap.add_argument("--seq-len", type=int, default=None, help="default 512 on a GPU, 64 on a CPU")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--resident-layers", type=int, default=0,
-                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload)")
-    ap.add_argument("--device-layers", type=int, default=2,
-                    help="layer buffers on the GPU per stack (offload): with one per layer the weights stay there "
-                         "between a step's micro-batches instead of streaming twice in each")
-    ap.add_argument("--accumulate-on", choices=("auto", "device", "host"), default="auto",
-                    help="where --grad-accum's micro-batches are summed (offload): on the GPU, one gradient copy "
-                         "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "
-                         "free memory")
-    ap.add_argument("--steps", type=int, default=None, help="default 200 on a GPU, 60 on a CPU")
-    ap.add_argument("--lr", type=float, default=None,
-                    help="peak learning rate (default 3e-3 for tiny and small, 3e-4 for every larger model)")
-    ap.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up, then cosine decay to 10%%")
-    ap.add_argument("--weight-decay", type=float, default=0.0,
-                    help="decoupled weight decay of every parameter --no-decay does not name")
-    ap.add_argument("--no-decay", default="bias,norm",
-                    help="comma-separated name parts: parameters whose name or module class contains one get no "
-                         "weight decay (HF Trainer's rule: biases and norm weights); '' decays all")
-    ap.add_argument("--lora-r", type=int, default=None,
-                    help="train rank-R LoRA adapters (peft) instead of the whole model; the checkpoint is the adapter")
-    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x --lora-r)")
-    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names to adapt")
-    ap.add_argument("--max-grad-norm", type=float, default=None,
-                    help="clip by the global gradient norm (native offload: host steps run speculatively during "
-                         "backward and are redone exactly when the norm clips; metrics log 'clip')")
-    ap.add_argument("--backend", choices=["none", "python", "native"], default=None,
-                    help="none = no offload (the model and optimizer on the device); default native, or none where "
-                         "it trains on the CPU (no CUDA device, or --device cpu)")
-    ap.add_argument("--precision", choices=["bf16", "bf16-sr", "mixed"], default="bf16",
-                    help="bf16 params and moments; bf16-sr: the same, params and exp_avg_sq stored by stochastic "
-                         "rounding (seeded by --seed); mixed: fp32 masters and moments on the host")
-    ap.add_argument("--offload-all", action="store_true",
-                    help="also keep the embeddings, final norm and head's grads and optimizer state on the host")
-    ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or cpu-sim (offload engine on the "
-                                                     "simulated device); auto = cuda if available, else cpu")
-    ap.add_argument("--activation-checkpointing", default="all", type=_checkpointing, metavar="all|none|auto|N",
-                    help="all: every layer recomputes in backward; none: none does; N: the lowest N of each stack do "
-                         "(offload keeps the rest's saved tensors); auto (offload): as many top layers kept as "
-                         "--gpu-memory-budget holds, measured in the first step")
-    ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
-                    const="none", help="the same as --activation-checkpointing none")
-    ap.add_argument("--activation-offload", action="store_true",
-                    help="offload: the input each checkpointed layer keeps waits in host memory until its backward")
-    ap.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
-                    help="--activation-checkpointing auto: the GPU peak it may reach (e.g. 20GB; default what the "
-                         "process may allocate, less 5 %% and 1 GiB; needed with --device cpu-sim)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
-    ap.add_argument("--loss-backend", choices=BACKENDS, default="auto",
-                    help="cross-entropy of the loss: the extension's kernels (native), torch's, or auto "
-                         "(native on CUDA)")
-    ap.add_argument("--loss-chunk-tokens", type=int, default=4096,
-                    help="tokens per chunk of the vocabulary projection (GPU memory for logits vs speed)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="print this run's memory plan (host RAM pinned and pageable, GPU memory, the largest batch x "
-                         "seq that fits) from the model built on the meta device, and exit: 0 if it fits, 2 if not")
-    ap.add_argument("--gpu-memory", default=None,
-                    help="with --dry-run: plan for a GPU of this size (e.g. 80GB, 139GiB), all of it free; needed for "
-                         "--device cuda where there is no GPU")
-    ap.add_argument("--host-memory", default=None,
-                    help="with --dry-run: plan for a host of this size (e.g. 125GB), all of it available")
-    ap.add_argument("--fsdp", action="store_true",
-                    help="under torchrun: FSDP2 over the ranks (CPU offload on GPUs), CPUAdamW stepping each shard in "
-                         "backward, each rank its own batches, checkpoints gathered on rank 0")
-    ap.add_argument("--out", default="runs/offload-train")
-    ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                    help="continue the run in --out from its newest complete checkpoint, verified against its "
-                         "manifest (a torn one is refused), or from the step directory given (e.g. the previous "
-                         "one, --out/checkpoints/step-000010); the flags that shape the run (model, batch, "
-                         "layout, precision, schedule: --steps too, which the cosine schedule spans) must be the "
-                         "checkpoint's")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the run --out already holds (its metrics and checkpoints); without it or "
-                         "--resume, such an --out is refused")
-    ap.add_argument("--save-every", type=int, default=0,
-                    help="checkpoint every N steps (always at the end), each into --out/checkpoints/step-N/ "
-                         "(from_pretrained loads it; --out/latest points at the newest complete one)")
-    ap.add_argument("--keep-checkpoints", type=int, default=2,
-                    help="complete checkpoints kept; older ones are deleted once a newer one is whole")
-    ap.add_argument("--stop-after", type=int, default=None,
-                    help="stop (with a checkpoint) after this many steps of this invocation; the lr schedule "
-                         "still spans --steps, and --resume continues (for preemptible jobs)")
-    ap.add_argument("--log-every", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trace", action="store_true",
-                    help="write a torch.profiler trace (trace.json) and, with offload, the engine's timeline "
-                         "(timeline.json; benchmarks/plot_timeline.py draws it) of steps 4-6 to --out")
-    ap.add_argument("--debug", action="store_true", help="show the traceback of an error on the inputs")
-    args = ap.parse_args(argv)
-    check_numbers(args)
-    return args
+from offload_ext.train.trainer import Trainer
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,6 +54,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"  # args.backend resolved by resolve_device: none on the CPU unless simulated
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
+    if args.backend != "none" and args.device == "cpu":
+        raise UsageError("--device cpu trains without offload (--backend none); use --device cpu-sim to run the "
+                         "offload engine on the simulated device")
     resume_from = _resume_point(args)
     if args.backend == "native":
         from offload_ext import _ext
@@ -208,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not memory.fits:
             raise UsageError(memory.refusal())
     try:
-        trainer = Trainer(args, model, device, simulated, weights)
+        trainer = Trainer(train_config(args, device), model, device, simulated, weights)
     except MemoryError as exc:  # the Offloader's check, before anything was allocated: it names the options
         raise UsageError(str(exc)) from exc
     marks.append(("engine", time.perf_counter()))
@@ -283,7 +155,7 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
-    trainer = FsdpTrainer(args, model, weights, device)
+    trainer = FsdpTrainer(train_config(args, device), model, weights, device)
     marks.append(("engine", time.perf_counter()))
     _print_setup(marks, trainer)
     start = trainer.load(stream) if args.resume else 0
@@ -319,7 +191,8 @@ def _with_lora(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Mod
 
 def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> MemoryPlan:
     try:
-        return plan(model, **offloader_kwargs(args, device), batch_size=args.batch_size, seq_len=args.seq_len,
+        return plan(model, offload_config(args, device), lr=args.lr, weight_decay=args.weight_decay,
+                    no_decay=train_config(args, device).no_decay, batch_size=args.batch_size, seq_len=args.seq_len,
                     loss_chunk_tokens=args.loss_chunk_tokens, loss_backend=args.loss_backend,
                     gpu_memory=args.gpu_memory, host_memory=args.host_memory)
     except ValueError as exc:  # a bad size or setting: the message names it

@@ -21,8 +21,9 @@ from offload_ext.models.weights import WeightSource
 from offload_ext.optim.cpu_adamw import CPUAdamW
 from offload_ext.optim.param_groups import build_groups
 from offload_ext.train import data as data_mod
+from offload_ext.train.config import TrainConfig
 from offload_ext.train.setup import UsageError
-from offload_ext.train.trainer import lr_factor, mark_phase, no_decay_patterns
+from offload_ext.train.trainer import mark_phase
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -76,19 +77,20 @@ class FsdpTrainer:
 
     off = None  # no Offloader: the loop's engine-only columns stay out of the metrics
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, weights: WeightSource | None,
+    def __init__(self, config: TrainConfig, model: torch.nn.Module, weights: WeightSource | None,
                  device: torch.device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        self.args, self.device = args, device
+        self.config, self.device = config, device
+        o = config.offload
         self.last_grad_norm: float | None = None
         self.last_clip_action: str | None = None
         # The weights know the meta model's parameters (and draw by its modules): a copy of it is sharded,
         # the meta model itself stays as the weights' key, costing no memory.
         originals = dict(model.named_parameters())
         model = copy.deepcopy(model)
-        if args.activation_checkpointing == "all":
+        if o.activation_checkpointing == "all":
             enable_activation_checkpointing(model)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = dict(offload_policy=CPUOffloadPolicy()) if device.type == "cuda" else {}
@@ -98,12 +100,12 @@ class FsdpTrainer:
         if weights is not None:
             materialize_shards(model, lambda name, dst: weights.fill(originals[name], dst), "cpu")
         self.model = model
-        groups, _ = build_groups(model, None, no_decay_patterns(args))
-        self.opt = CPUAdamW(groups, lr=args.lr, weight_decay=args.weight_decay, overlap=True,
-                            max_grad_norm=args.max_grad_norm, master_weights=args.precision == "mixed",
-                            stochastic_rounding=args.precision == "bf16-sr", sr_seed=args.seed)
+        groups, _ = build_groups(model, None, config.no_decay)
+        self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay, overlap=True,
+                            max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
+                            stochastic_rounding=o.precision == "bf16-sr", sr_seed=config.seed)
         self.optimizer = self.opt
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: lr_factor(args, step))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, config.lr_factor)
 
     @property
     def lr(self) -> float:
@@ -111,15 +113,15 @@ class FsdpTrainer:
 
     def train_step(self, stream: data_mod.TokenStream, phases: dict[str, float] | None = None) -> float:
         """One step over the ranks; the mean loss. `phases`: as Trainer.train_step's."""
-        a, batches = self.args, RankBatches(stream)
+        accum, batches = self.config.offload.grad_accum, RankBatches(stream)
         total = 0.0
         mark_phase(phases, self.device, "_start")
-        for k in range(a.grad_accum):
-            last = k == a.grad_accum - 1
+        for k in range(accum):
+            last = k == accum - 1
             self.model.set_requires_gradient_sync(last)  # earlier micro-batches: no reduce-scatter, no step
             batch = batches.next_batch().to(self.device)
             with contextlib.nullcontext() if last else self.opt.no_overlap():
-                loss = self.model(input_ids=batch, labels=batch).loss / a.grad_accum  # through the root: FSDP2's hooks
+                loss = self.model(input_ids=batch, labels=batch).loss / accum  # through the root: FSDP2's hooks
                 mark_phase(phases, self.device, "forward")
                 loss.backward()
             total += loss.item()
@@ -140,7 +142,7 @@ class FsdpTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-        ckpt = os.path.join(self.args.out, "checkpoint")
+        ckpt = os.path.join(self.config.out, "checkpoint")
         os.makedirs(ckpt, exist_ok=True)
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt, "distributed"))
@@ -152,7 +154,8 @@ class FsdpTrainer:
             else:
                 tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
             state = {"step": step, "data": stream.state(), "schedule": self.schedule.state_dict(),
-                     "rng": {"python": random.getstate(), "numpy": np.random.get_state()}, "args": vars(self.args),
+                     "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
+                     "args": dict(self.config.flags),
                      "world_size": dist.get_world_size()}
             tmp = os.path.join(ckpt, "trainer_state.pt.tmp")
             torch.save(state, tmp)
@@ -164,7 +167,7 @@ class FsdpTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        ckpt = os.path.join(self.args.out, "checkpoint")
+        ckpt = os.path.join(self.config.out, "checkpoint")
         path = os.path.join(ckpt, "trainer_state.pt")
         if not os.path.exists(path):
             raise UsageError(f"--resume: no checkpoint at {path}; run without --resume first")

@@ -15,7 +15,7 @@ import socket
 import struct
 from urllib.parse import urlparse
 
-from offload_ext.planning.host_sizes import parse_size
+from offload_ext.config import parse_size
 from offload_ext.train.data import EMBEDDED
 from offload_ext.train.setup import BUILTIN, UsageError
 

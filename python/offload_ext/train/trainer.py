@@ -2,8 +2,6 @@
 driven by one LR schedule, and checkpoints that resume exactly."""
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import random
 import time
@@ -17,36 +15,10 @@ from offload_ext.models.lora import is_adapter
 from offload_ext.models.losses import causal_lm_loss
 from offload_ext.models.weights import WeightSource
 from offload_ext.optim.param_groups import build_groups
-from offload_ext.planning.host_sizes import parse_size
 from offload_ext.train import data as data_mod
 from offload_ext.train import run_dir
+from offload_ext.train.config import TrainConfig
 from offload_ext.train.setup import UsageError
-
-
-def no_decay_patterns(args: argparse.Namespace) -> tuple[str, ...]:
-    """--no-decay as the patterns of the parameters --weight-decay spares (HF Trainer's rule by default)."""
-    return tuple(p.strip() for p in args.no_decay.split(",") if p.strip())
-
-
-def offloader_kwargs(args: argparse.Namespace, device: torch.device,
-                     weights: WeightSource | None = None) -> dict[str, Any]:
-    """The Offloader's keyword arguments for these flags (offload_ext.plan takes the same)."""
-    return dict(lr=args.lr, weight_decay=args.weight_decay, precision=args.precision, backend=args.backend,
-                device=device, compile_layers=args.compile, offload_all=args.offload_all, grad_accum=args.grad_accum,
-                max_grad_norm=args.max_grad_norm, no_decay=no_decay_patterns(args),
-                accumulate_on_device={"auto": None, "device": True, "host": False}[args.accumulate_on],
-                resident_layers=args.resident_layers, device_layers=args.device_layers, weights=weights,
-                sr_seed=args.seed, activation_checkpointing=args.activation_checkpointing,
-                gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
-                activation_offload=args.activation_offload)
-
-
-def lr_factor(args: argparse.Namespace, step: int) -> float:
-    """Linear warm-up to --lr, then cosine decay to 10 % of it at --steps (a multiple of --lr)."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str, last: bool = False) -> None:
@@ -67,77 +39,71 @@ def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str,
 class Trainer:
     """One training run: the offloaded path (Offloader) or the plain one (device optimizer)."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device, simulated: bool,
+    def __init__(self, config: TrainConfig, model: torch.nn.Module, device: torch.device, simulated: bool,
                  weights: WeightSource | None = None):
-        self.args, self.model, self.device = args, model, device
+        self.config, self.model, self.device = config, model, device
         self.off = None
         self.opt = None
         self.last_grad_norm: float | None = None
         self.last_clip_action: str | None = None  # the Offloader's: committed / redone (speculative), ...
-        if args.backend != "none":
-            self._check_offload_supported()
+        if config.offloaded:
             from offload_ext.engine.offloader import Offloader
 
-            self.off = Offloader(model, **offloader_kwargs(args, device, weights))
+            self.off = Offloader(model, lr=config.lr, weight_decay=config.weight_decay, no_decay=config.no_decay,
+                                 config=config.offload.replace(device=device), weights=weights)
         else:
             self._plain_setup(simulated)
         self.optimizer: torch.optim.Optimizer = self.off if self.off is not None else self.opt
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(args, step))
-
-    def _check_offload_supported(self) -> None:
-        a = self.args
-        if a.device == "cpu":
-            raise UsageError("--device cpu trains without offload (--backend none); use --device cpu-sim to run the "
-                             "offload engine on the simulated device")
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
 
     def _plain_setup(self, simulated: bool) -> None:
-        a, model = self.args, self.model
+        c, o, model = self.config, self.config.offload, self.model
         if simulated:
             raise UsageError("--device cpu-sim runs the offload engine: pick --backend native or python")
-        if a.offload_all:
+        if o.offload_all:
             raise UsageError("--offload-all needs an offload backend (--backend native or python)")
         for p in model.parameters():
             p.data = p.data.to(self.device, torch.bfloat16)
         model.to(self.device)
-        if a.activation_offload:
+        if o.activation_offload:
             raise UsageError("--activation-offload needs an offload backend (--backend native or python)")
-        if a.activation_checkpointing not in ("all", "none"):
-            raise UsageError(f"--activation-checkpointing {a.activation_checkpointing}: without offload, HF "
+        if o.activation_checkpointing not in ("all", "none"):
+            raise UsageError(f"--activation-checkpointing {o.activation_checkpointing}: without offload, HF "
                              "checkpoints every layer or none: use all or none, or an offload backend (--backend "
                              "native)")
-        if a.activation_checkpointing == "all":
+        if o.activation_checkpointing == "all":
             enable_activation_checkpointing(model)
-        if a.compile:
+        if o.compile_layers:
             for layer in model.model.layers:
                 layer.compile()
-        params, _ = build_groups(model, None, no_decay_patterns(a))  # the Offloader's groups, for torch's AdamW
-        if self.device.type == "cuda" and a.precision == "mixed":
+        params, _ = build_groups(model, None, c.no_decay)  # the Offloader's groups, for torch's AdamW
+        if self.device.type == "cuda" and o.precision == "mixed":
             raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
                              "use --backend native, or --precision bf16 with --backend none")
-        if self.device.type == "cuda" and a.precision == "bf16-sr":
+        if self.device.type == "cuda" and o.precision == "bf16-sr":
             from offload_ext.optim.cpu_adamw import StochasticAdamW
 
-            self.opt = StochasticAdamW(params, seed=a.seed, lr=a.lr, weight_decay=a.weight_decay)
+            self.opt = StochasticAdamW(params, seed=c.seed, lr=c.lr, weight_decay=c.weight_decay)
         elif self.device.type == "cuda":
-            self.opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=True)
+            self.opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay, fused=True)
         else:
             from offload_ext.optim.cpu_adamw import (
                 CPUAdamW,  # resolve_device has said that this run trains on the CPU without offload
             )
 
-            self.opt = CPUAdamW(params, lr=a.lr, weight_decay=a.weight_decay, master_weights=a.precision == "mixed",
-                                stochastic_rounding=a.precision == "bf16-sr", sr_seed=a.seed)
+            self.opt = CPUAdamW(params, lr=c.lr, weight_decay=c.weight_decay, master_weights=o.precision == "mixed",
+                                stochastic_rounding=o.precision == "bf16-sr", sr_seed=c.seed)
 
     def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None],
                        phases: dict[str, float] | None) -> float:
         """Forward and `backward` over --grad-accum micro-batches, each loss scaled by 1/N; their summed loss.
         `phases` gets the seconds of forwards and backwards, the device synchronized between them."""
-        a = self.args
+        c, o = self.config, self.config.offload
         total = 0.0
-        for _ in range(a.grad_accum):
+        for _ in range(o.grad_accum):
             batch = stream.next_batch().to(self.device)
-            loss = causal_lm_loss(self.model, batch, chunk_tokens=a.loss_chunk_tokens, backend=a.loss_backend)
-            loss = loss / a.grad_accum
+            loss = causal_lm_loss(self.model, batch, chunk_tokens=c.loss_chunk_tokens, backend=c.loss_backend)
+            loss = loss / o.grad_accum
             mark_phase(phases, self.device, "forward")
             backward(loss)
             total += loss.item()
@@ -153,7 +119,7 @@ class Trainer:
         """One optimizer step; its summed loss. With `phases` (a dict), the step is timed by phase
         (forward, backward, step, in seconds; the device synchronized at each boundary): offload-train does
         it for its first step, where the warm-up is."""
-        a = self.args
+        o = self.config.offload
         mark_phase(phases, self.device, "_start")
         if self.off is not None:
             total = self._micro_batches(stream, self.off.backward, phases)
@@ -162,8 +128,8 @@ class Trainer:
             self.last_clip_action = self.off.last_clip_action
         else:
             total = self._micro_batches(stream, torch.Tensor.backward, phases)
-            if a.max_grad_norm is not None:
-                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm))
+            if o.max_grad_norm is not None:
+                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.max_grad_norm))
             self.opt.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
@@ -175,9 +141,9 @@ class Trainer:
     def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         """Checkpoint `step` as one unit (offload_ext.train.run_dir): written into a fresh step directory, sealed by
         its manifest; the path of the complete checkpoint."""
-        ckpt = run_dir.begin(self.args.out, step)
+        ckpt = run_dir.begin(self.config.out, step)
         weights = None
-        if self.off is not None and self.args.lora_r is not None:  # the adapter alone, as peft saves it
+        if self.off is not None and self.config.adapter_only:  # the adapter alone, as peft saves it
             self.model.save_pretrained(ckpt, state_dict=self.off.model_state_dict(include=is_adapter))
         elif self.off is not None:
             self.off.save_pretrained(ckpt)  # from the host buffers, a tensor at a time
@@ -203,11 +169,11 @@ class Trainer:
             "model": weights,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-            "args": vars(self.args),
+            "args": dict(self.config.flags),
         }
         torch.save(state, os.path.join(ckpt, "trainer_state.pt"))
         run_dir.boundary("trainer_state", step)
-        return run_dir.commit(self.args.out, ckpt, step, run_flags(self.args), self.args.keep_checkpoints)
+        return run_dir.commit(self.config.out, ckpt, step, dict(self.config.flags), self.config.keep_checkpoints)
 
     def load(self, stream: data_mod.TokenStream, ckpt: run_dir.Checkpoint) -> int:
         """Continue from `ckpt` (verified by run_dir.find, its flags checked): the step it ends."""
@@ -231,11 +197,3 @@ class Trainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         return int(state["step"])
-
-
-def run_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags a resume must repeat, as set-up resolved them (before data and model set-up could add to
-    `args`): recorded in each checkpoint's manifest and checked by --resume."""
-    if getattr(args, "run_flags", None) is None:
-        args.run_flags = {k: getattr(args, k, None) for k in run_dir.RESUME_FLAGS}
-    return args.run_flags
