@@ -1001,10 +1001,10 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
     # speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
     # redos meet speculative steps queued (dropped), running (waited for) and done. Norm weights without
     # weight decay make two groups per layer; pieces of 777 elements cut through them.
-    from offload_ext.engine import device_redo
+    from offload_ext.planning import gpu
 
     if piece is not None:
-        monkeypatch.setattr(device_redo, "REDO_PIECE", piece)
+        monkeypatch.setattr(gpu, "REDO_PIECE", piece)
     base, data = tiny_llama(layers=4), batches(6)
     exact_norms: list[float] = []
     ref_losses, ref_model = reference_training(base, data, precision, LR, WD, max_grad_norm=0.5, norms=exact_norms,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload_ext.train import cli as train
+from offload_ext.train.setup import BUILTIN
 
 FAST = ["--steps", "12", "--batch-size", "4", "--seq-len", "32"]
 
@@ -38,7 +39,7 @@ def test_default_run_learns_and_writes_metrics_and_a_loadable_checkpoint(tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "latest"))
     default = "small" if torch.cuda.is_available() else "tiny"  # --model auto
-    assert model.config.num_hidden_layers == train.BUILTIN[default][1]
+    assert model.config.num_hidden_layers == BUILTIN[default][1]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process's age comes from Linux's /proc")

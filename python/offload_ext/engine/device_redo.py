@@ -1,6 +1,6 @@
 """Device redo: when clipping triggers, the top layers' exact redo runs on the device while the host redoes
 the layers below, from the lowest up. The next forward follows the host's redos up the stack and finds the
-top layers done, instead of chasing the host through every layer (B1, run 51: 16 host redos at ~8.2 ms
+top layers done, instead of chasing the host through every layer (B1: 16 host redos at ~8.2 ms
 each, 130 ms the next forward chased). The device takes its layers lowest first too, the order the forward
 reaches them.
 

@@ -9,14 +9,14 @@ nine parameters a layer, twice a micro-batch, was a Python cost the launching th
 A prefetch that finds the layer's host step still running leaves the copy to the layer's bind, but marks
 the compute stream's point: the copy issued at the bind waits for that point, as the prefetch's copy would
 have, not for the layer before it as well (which made copy and compute take turns in every such layer: B1
-without recompute, one slot per layer, forward 88 ms against 53, run 48). Anything else bound to the
+without recompute, one slot per layer, forward 88 ms against 53). Anything else bound to the
 buffer in between drops the mark, since its kernels come after it.
 
 With a buffer per position (`eager`: and steps no clipping can redo), a layer's new weights go up as soon as
 its host step is done, still inside the backward that produced its gradients (its buffer is free once they
 are out), instead of when the next forward binds it. After the short last backward of an accumulation the
 host is still stepping the lowest layers when the forward starts, and the forward was copy-bound behind
-them (half a batch computes a layer in less time than its copy takes, run 63).
+them (half a batch computes a layer in less time than its copy takes).
 """
 from __future__ import annotations
 

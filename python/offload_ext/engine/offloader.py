@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,41 +21,28 @@ import torch
 from torch import nn
 
 from offload_ext.config import OffloadConfig, check_hyper, resolve_device
-from offload_ext.engine.activation_offload import HostActivations, Key
+from offload_ext.engine.activation_offload import HostActivations
 from offload_ext.engine.backends import Backend, Hyper, LayerBuffers, make_backend
-from offload_ext.engine.device_ring import DeviceRing
-from offload_ext.engine.grad_path import GradPath
 from offload_ext.engine.host_fill import fill_unit
 from offload_ext.engine.kept_layers import (
     SavedWeights,
-    auto_kept,
-    device_budget,
 )
 from offload_ext.engine.layers import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
     hf_checkpointing_enabled,
     unwrap_layer,
-    wrap_layer,
 )
+from offload_ext.engine.persistence import StateIO
 from offload_ext.engine.state import (
-    check_state,
-    host_sources,
-    host_state,
-    load_host_state,
     model_weights,
-    read_host_state,
-    span_names,
-    weight_sources,
 )
 from offload_ext.engine.step_policy import StepPolicy
 from offload_ext.engine.timeline import Timeline, span
-from offload_ext.models.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from offload_ext.engine.wiring import LayerWiring
 from offload_ext.models.weights import (
     WeightSource,
     check_materialized,
-    from_config_empty,
-    from_pretrained_empty,
     materialize,
 )
 from offload_ext.optim.device_optimizer import DeviceOptimizer
@@ -64,24 +51,8 @@ from offload_ext.planning.choices import Settings, check_checkpointing, checkpoi
 from offload_ext.planning.layout import Layout
 from offload_ext.planning.plan import check_device_memory
 
-_OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay")
-_STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
-
-
-def _before_layer(ring: DeviceRing, path: GradPath, i: int) -> Callable[[], None]:
-    """What runs before stack position i's forward: its weights bound, and in its checkpoint recompute
-    (inside backward) its gradient buffer made ready for the gradients about to come. A kept layer's
-    backward begins with it too (called inside backward, it does what the recompute does)."""
-    def before() -> None:
-        recompute = torch._C._current_graph_task_id() != -1
-        ring.before_layer(i, recompute)
-        if recompute:
-            path.before_backward(i)
-            ring.upload_stepped()
-    return before
-
-class Offloader(torch.optim.Optimizer):
+class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
     """Full CPU offload of a model's layer stacks for training on one device.
 
     off = Offloader(model, lr=3e-4, config=OffloadConfig(precision="bf16", device="cuda"))
@@ -180,72 +151,6 @@ class Offloader(torch.optim.Optimizer):
         self._saved.measuring = cfg.activation_checkpointing == "auto"
         self._wrap_layers()
         self._restart_rings()
-
-    def _wrap_layers(self) -> None:
-        """Each stack's lowest `self._checkpointed` layers (resident ones first) recompute, the rest are kept."""
-        r = self.layout.resident_per_stack
-        for k, (stack, ring, path) in enumerate(zip(self.layout.stacks, self._rings, self._grad_paths)):
-            for j, layer in enumerate(self.layout.resident[k * r:(k + 1) * r]):
-                unwrap_layer(layer)  # nothing to fetch: kept, their saved tensors need no reference either
-                wrap_layer(layer, lambda: None, self._compile_layers,
-                           None if j < self._checkpointed else (self._saved, lambda: None), self._host_slot(k, j))
-            for i, layer in enumerate(stack.layers):
-                before = _before_layer(ring, path, i)
-                kept = None if r + i < self._checkpointed else (self._saved, before)
-                unwrap_layer(layer)
-                wrap_layer(layer, before, self._compile_layers, kept, self._host_slot(k, r + i))
-
-    def _host_slot(self, stack: int, position: int) -> tuple[HostActivations, Key, Key | None] | None:
-        """With activation_offload, where a checkpointed layer's input waits: its key, and the layer below's."""
-        if self._host_activations is None or position >= self._checkpointed:
-            return None
-        return self._host_activations, (stack, position), (stack, position - 1) if position else None
-
-    @property
-    def kept_layers(self) -> int:
-        """How many layers of each stack run without recompute (their saved tensors kept until backward)."""
-        return self.layout.fewest_stack_layers - self._checkpointed
-
-    def _choose_kept(self, grown: int) -> None:
-        """activation_checkpointing="auto", after the first step: keep as many layers as the budget holds, each
-        costing what the top layer saved in that step's first forward, on top of that step's peak and what the
-        device step left allocated (`grown` bytes)."""
-        if self.device.type == "cuda":
-            budget = self._budget if self._budget is not None else device_budget(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:  # no allocator to ask: the budget is the kept layers' alone
-            budget, peak = self._budget, self._saved.saved_bytes
-        kept = auto_kept(self.layout.fewest_stack_layers, self._saved.saved_bytes, budget, peak + grown)
-        self._checkpointed = self.layout.fewest_stack_layers - kept
-        self.auto_choice = {"kept_layers": kept, "saved_bytes_per_layer": self._saved.saved_bytes,
-                            "budget_bytes": budget, "first_step_peak_bytes": peak, "device_step_growth_bytes": grown}
-        self._wrap_layers()
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> Offloader:
-        """An Offloader over a causal LM's safetensors checkpoint (a local directory or a hub id), read
-        tensor by tensor straight into the host buffers and the device: the model is built on the meta
-        device and the weights are never whole in memory twice. The model is `off.model`; keyword
-        arguments are the constructor's."""
-        model, weights = from_pretrained_empty(name_or_path)
-        return cls(model, weights=weights, **kwargs)
-
-    def _device_side(self, device_layers: int, eager_uploads: bool) -> tuple[list[DeviceRing], list[GradPath]]:
-        """Per part, the device buffers: `device_layers` for weights (one for the part outside the
-        stacks, bound throughout) and up to two for gradients."""
-        rings, paths = [], []
-        for part in self.layout.parts:
-            host = [self._host[u.index] for u in part.units]
-            buffers = min(len(part.units), device_layers) if part.layers else 1
-            # Eager uploads only where a step, once queued, is final: no clipping redoes it, and the
-            # backend steps in the background (the python backend steps inside step()).
-            eager = (eager_uploads and bool(part.layers) and self._backend.asynchronous
-                     and self._policy.max_grad_norm is None)
-            ring = DeviceRing(part, host, self._backend, buffers, eager)
-            rings.append(ring)
-            paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device,
-                                  on_flush=ring.flushed))
-        return rings, paths
 
     # ------------------------------------------------------------------ training API
 
@@ -357,7 +262,7 @@ class Offloader(torch.optim.Optimizer):
         self._policy.end_step()
         if choosing:
             # torch's AdamW makes its state at its first step, after the backward that peaked: every later
-            # backward has it too (B2's 4.2 GB of moments, an OOM under 24 GB without it, run 48).
+            # backward has it too (B2's 4.2 GB of moments, an OOM under 24 GB without it).
             grown = torch.cuda.memory_allocated(self.device) - before if self.device.type == "cuda" else 0
             self._choose_kept(max(0, grown))
         self._restart_rings()
@@ -405,87 +310,6 @@ class Offloader(torch.optim.Optimizer):
             raise RuntimeError("Offloader: call step() before saving, loading or closing")
         self._backend.settle()
 
-    def state_dict(self) -> dict[str, Any]:
-        self._check_open()
-        self._settle()
-        return {**self._small_state(), "layers": host_state(self._host)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_open()
-        self._settle()
-        self._check_small_state(state)
-        load_host_state(self._host, state["layers"])
-        self._load_small_state(state)
-
-    def save_state(self, path: str) -> None:
-        """state_dict() written to a directory without a copy of the host buffers in memory: they go to
-        engine_state.safetensors straight from where they live, the rest (step, groups, the device
-        optimizer) to engine_state.pt. load_state(path) reads it back."""
-        self._check_open()
-        self._settle()
-        write_safetensors(path, host_sources(self._host), stem=_STATE_STEM)
-        small = os.path.join(path, _STATE_STEM + ".pt")
-        torch.save(self._small_state(), small + ".partial")
-        os.replace(small + ".partial", small)
-
-    def load_state(self, path: str) -> None:
-        """Restore what save_state(path) wrote, reading the host buffers straight into place; everything
-        is checked against this Offloader before any of it is written."""
-        self._check_open()
-        self._settle()
-        # weights_only: a state file is data; unpickling arbitrary objects from it could run code.
-        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=True)
-        self._check_small_state(state)
-        read_host_state(self._host, SafetensorsCheckpoint(path, stem=_STATE_STEM))
-        self._load_small_state(state)
-
-    def _small_state(self) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {"step": self._step, "precision": self.precision, "param_groups": groups,
-                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict(),
-                "sr_seed": self._sr_seed}
-
-    def _check_small_state(self, state: dict[str, Any]) -> None:
-        check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups), self._sr_seed)
-
-    def _load_small_state(self, state: dict[str, Any]) -> None:
-        self._device_opt.load_state_dict(state["outer"])
-        self._step = int(state["step"])
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-        self._restart_rings(stepped=False)
-
-    @classmethod
-    def from_config(cls, model_config: Any, seed: int = 0, config: OffloadConfig | None = None,
-                    **kwargs: Any) -> Offloader:
-        """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
-        module's weights drawn by the model's own init rule straight into the host buffers and the device,
-        the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
-        optimizer = {k: kwargs.pop(k) for k in _OPTIMIZER_ARGS if k in kwargs}
-        cfg = OffloadConfig.from_options(config, **kwargs)
-        # Drawn on the training device: a GPU draws an 8 B model's parameters in seconds, the CPU in minutes.
-        model, weights = from_config_empty(model_config, seed=seed, device=resolve_device(cfg.device))
-        return cls(model, config=cfg, weights=weights, **optimizer)
-
-    def save_pretrained(self, path: str, max_shard_size: int = 5 << 30) -> list[str]:
-        """Write the model as transformers does (config.json, safetensors shards of at most max_shard_size
-        bytes and their index), straight from where the weights live: one tensor in memory at a time,
-        each file complete under its name or not there. `AutoModelForCausalLM.from_pretrained(path)`
-        and `Offloader.from_pretrained(path)` load it. Returns the weight files written."""
-        self._settle()
-        files = write_safetensors(path, weight_sources(self.model, self.layout, self._host), max_shard_size)
-        self.model.config.save_pretrained(path)
-        generation = getattr(self.model, "generation_config", None)
-        if generation is not None:
-            generation.save_pretrained(path)
-        return files
-
-    def model_state_dict(self, include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
-        """The model's weights by name, as CPU tensors (streamed ones read from the host buffers); with
-        `include`, only the names it accepts are copied (a LoRA adapter out of a large model)."""
-        self._settle()
-        return model_weights(self.model, self.layout, self._host, include)
-
     def stats(self) -> dict[str, Any]:
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}
         return {"step": self._step, "last_step_wait_s": self.last_step_wait,
@@ -506,7 +330,7 @@ class Offloader(torch.optim.Optimizer):
         failure = self._backend.close() or self._failed
         self._closed = True
         # The optimizer state goes before the weights are copied out: the copy would otherwise come on top of
-        # the whole engine (qwen-14b: 113 GB at close against 84 GB through training, run 66).
+        # the whole engine (qwen-14b: 113 GB at close against 84 GB through training).
         for layer in self._host:
             layer.release_state()
         self._backend.release_memory()

@@ -108,8 +108,8 @@ def device_redo_per_stack(c: OffloadConfig, speculative: bool, stack_layers: int
     stochastic rounding). None: a third of each stack, where it applies.
     The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
     ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
-    the host to keep n (g - a) / (g - a + c) layers (B1, run 56: g ~12.5, c ~9, a ~3.3: half). Measured, B1
-    lost more than that model says as the device took more layers (run 57: a third or less gained up to
+    the host to keep n (g - a) / (g - a + c) layers (B1: g ~12.5, c ~9, a ~3.3: half). Measured, B1
+    lost more than that model says as the device took more layers (a third or less gained up to
     7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
     applies = speculative and c.grad_accum == 1 and c.precision in ("bf16", "mixed")
     asked = c.tuning.device_redo_layers

@@ -116,7 +116,7 @@ def default_grad_slots(precision: str, layers: int, accumulate: bool = False, ke
     # pinned memory; pass grad_slots to trade it back when host memory is tight). With kept layers the
     # backlog is what lets the host's work reach into the next forward: the engine steps the lowest layer
     # first, so the top layers wait holding their slots while the layers below cycle (B1 without recompute
-    # on 6 slots: the launching thread blocked 67 ms a step on slot reuse, run 47).
+    # on 6 slots: the launching thread blocked 67 ms a step on slot reuse).
     return 6 if precision != "mixed" and not accumulate and not kept_layers else layers
 
 

@@ -143,7 +143,7 @@ def speculative_units(layout: Layout) -> frozenset[int]:
     """The units whose host steps may run speculatively under clipping (they get second state buffers):
     every layer of each stack. The lowest lands last, with the norm taken on the device just before its
     copy: its step is queued as the copy lands and held once the norm is known, so it steps once, in place,
-    without the host pass a unit waiting for the norm makes first (B1, run 33: 2 ms at the end of
+    without the host pass a unit waiting for the norm makes first (B1: 2 ms at the end of
     backward). The part outside the stacks lands after it: it waits for the norm and steps once, clipped."""
     return frozenset(u.index for part in layout.stacks for u in part.units)
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The GPU's libraries load on a thread while the data and the model are prepared (both hold the GIL).
     warmup = GpuWarmup(device, args.seq_len) if on_gpu else None
     # One phase after another: tokenizing the corpus on a thread while the engine page-locked its buffers made
-    # both slower (8 B: data 9.0 s, page-locking 17.1 s, against 2.5 and 6.1 alone; run 53).
+    # both slower (8 B: data 9.0 s, page-locking 17.1 s, against 2.5 and 6.1 alone).
     marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)
     if warmup is not None:
@@ -123,7 +123,7 @@ def _resume_point(args: argparse.Namespace) -> run_dir.Checkpoint | None:
 def _seed_and_data(args: argparse.Namespace, began: float,
                    entered: float) -> tuple[list[tuple[str, float]], data_mod.TokenStream, Any, int]:
     """Seed Python's and numpy's RNGs, build the token stream; the set-up's phase marks so far. The phases are
-    printed once (issue 12's "first step within N s"), from the process's start: the interpreter and the
+    printed once (what "time to the first step" counts), from the process's start: the interpreter and the
     imports before run() (torch's among them) are the first."""
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -360,7 +360,7 @@ def _profiler(args: argparse.Namespace):
 def _allocator_settings(args: argparse.Namespace) -> None:
     """Kept layers' activations come and go near the GPU's limit, where the caching allocator's default
     releases and re-maps cached blocks (each a device synchronization: B2's auto step 1.12 s against 1.07 s
-    with expandable segments, run 50). So offload-train grows segments instead, unless the user's
+    with expandable segments). So offload-train grows segments instead, unless the user's
     PYTORCH_CUDA_ALLOC_CONF says otherwise; it is read when CUDA's allocator starts, after this."""
     if args.activation_checkpointing != "all" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

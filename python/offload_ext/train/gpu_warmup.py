@@ -1,9 +1,9 @@
 """Warm a process's GPU libraries on a thread while offload-train builds its model.
 
 A process's first CUDA context, cuBLAS handle and attention kernels cost ~0.6 s when the machine's libraries
-are in the page cache and 2.4 s when they are not (run 68, benchmarks/bench_cuda_start.py). Building the 8 B
+are in the page cache and 2.4 s when they are not (benchmarks/bench_cuda_start.py). Building the 8 B
 model on the meta device holds the GIL in Python for ~4.5 s, while the warm-up spends its time in the driver
-and in torch's kernels with the GIL released: run 68's overlapped probe hid all of it (wall 4.54 s against
+and in torch's kernels with the GIL released: the overlapped probe hid all of it (wall 4.54 s against
 5.10 s in turn). What a process loads once does not depend on the shapes, so a typical layer's are used.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class GpuWarmup:
         if device.type == "cuda":
             # torch's lazy CUDA initialisation runs the calls queued before it (torch.manual_seed's among them) and
             # marks itself done in two separate moments: one made from another thread between them would be lost.
-            # Initialised here, on the caller's thread, before the warm-up starts (0.1-0.25 s, runs 68 and 70).
+            # Initialised here, on the caller's thread, before the warm-up starts (0.1-0.25 s).
             try:
                 torch.cuda.init()
             except Exception as exc:
