@@ -257,8 +257,8 @@ def test_the_backend_is_native_by_default_and_as_given_otherwise(argv, backend, 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the profiler's complaint is a CPU machine's")
 def test_trace_on_a_cpu_machine_prints_no_profiler_error(tmp_path) -> None:
-    code = ("import argparse, torch; from offload_ext.train import cli as train; "
-            f"p = train._profiler(argparse.Namespace(out={str(tmp_path)!r}))\n"
+    code = ("import argparse, torch; from offload_ext.train import loop; "
+            f"p = loop.torch_profiler(argparse.Namespace(out={str(tmp_path)!r}))\n"
             "for _ in range(7):\n    torch.ones(4).sum(); p.step()\np.stop()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"})
