@@ -60,7 +60,7 @@ ext_modules, cmdclass = extension_build()
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
-    package_data={"offload_ext": ["csrc/*.h", "csrc/*.cpp", "csrc/*.cu"]},
+    package_data={"offload_ext": ["csrc/**/*.h", "csrc/**/*.cpp", "csrc/**/*.cu"]},
     include_package_data=True,
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -101,6 +101,29 @@ def choose_arch_list(gpu_visible: bool, torch_archs: list[str], cuda_home: str) 
     return f"TORCH_CUDA_ARCH_LIST={archs} ({why}; set it to build for fewer)"
 
 
+def source_files(with_cuda: bool) -> list[str]:
+    """Every C++ source under csrc/, in its role's subfolder; the CUDA kernels (*.cu) only into a CUDA build.
+
+    Includes are relative to the including file, so the build needs no include directory of its own.
+    """
+    patterns = ["*.cpp", "*.cu"] if with_cuda else ["*.cpp"]
+    sources = [s for p in patterns for s in sorted(glob.glob(os.path.join(CSRC_DIR, "**", p), recursive=True))]
+    _check_unique_names(sources)
+    return sources
+
+
+def _check_unique_names(sources: list[str]) -> None:
+    """The just-in-time build names each object file after its source's base name (ops/x.cpp -> x.o)."""
+    seen: dict[str, str] = {}
+    for source in sources:
+        stem = os.path.splitext(os.path.basename(source))[0]
+        key = stem + (".cuda" if source.endswith(".cu") else "")
+        if key in seen:
+            raise RuntimeError(f"offload_ext: {seen[key]} and {source} would build the same object file {key}.o; "
+                               "rename one")
+        seen[key] = source
+
+
 @dataclass
 class BuildPlan:
     """What to compile and why; `reason` is printed by setup.py and the JIT loader."""
@@ -132,10 +155,7 @@ def plan_build(torch_cuda_version: str | None) -> BuildPlan:
         with_cuda, reason = True, f"torch CUDA {torch_cuda_version}, toolkit at {cuda_home}"
     if force_cuda and not with_cuda:
         raise RuntimeError(f"offload_ext: OFFLOAD_EXT_FORCE_CUDA is set but the CUDA parts cannot be built: {reason}")
-    # C++ sources always; CUDA kernels (*.cu) only into a CUDA build.
-    sources = sorted(glob.glob(os.path.join(CSRC_DIR, "*.cpp")))
-    if with_cuda:
-        sources += sorted(glob.glob(os.path.join(CSRC_DIR, "*.cu")))
+    sources = source_files(with_cuda)
     # No -std: torch.utils.cpp_extension picks the standard its headers need (C++17 or C++20).
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
     if with_cuda:

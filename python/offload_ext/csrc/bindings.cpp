@@ -7,15 +7,15 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "adamw.h"
-#include "adamw_op.h"
-#include "copy_engine.h"
-#include "cross_entropy.h"
-#include "engine.h"
-#include "step_scheduler.h"
-#include "sr_round.h"
-#include "sum_squares.h"
-#include "thread_pool.h"
+#include "common/thread_pool.h"
+#include "engine/copy_engine.h"
+#include "engine/engine.h"
+#include "engine/step_scheduler.h"
+#include "kernels/adamw.h"
+#include "ops/adamw_op.h"
+#include "ops/cross_entropy.h"
+#include "ops/sr_round.h"
+#include "ops/sum_squares.h"
 
 namespace {
 

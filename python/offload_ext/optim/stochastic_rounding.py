@@ -1,5 +1,5 @@
 """Stochastic rounding to bf16 ("bf16-sr") in integer torch ops, on any device: the native kernel's rule
-and random stream, bit for bit (both are defined in csrc/stochastic_rounding.h, which this follows
+and random stream, bit for bit (both are defined in csrc/kernels/stochastic_rounding.h, which this follows
 line for line), and the AdamW step that uses them.
 
 The python backend steps its layers with `adamw_step_sr`, and the Offloader's device-kept parameters

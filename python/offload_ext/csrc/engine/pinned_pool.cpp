@@ -1,7 +1,7 @@
 // PinnedPool: slabs from mmap (huge-page advised), faulted in and page-locked with cudaHostRegister
 // on one thread per slab (pinning is per page and dominates set-up), best-fit carving with coalescing.
 // A pageable pool faults its reserved slabs in the same way: left to the first step that writes them,
-// the faults cost a B2 layer's speculative step 150 ms instead of 30 (run 33).
+// the faults cost a B2 layer's speculative step 150 ms instead of 30.
 #include "pinned_pool.h"
 
 #include <sys/mman.h>

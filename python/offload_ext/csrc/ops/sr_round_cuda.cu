@@ -7,7 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "stochastic_rounding.h"
+#include "../kernels/stochastic_rounding.h"
 
 namespace offload_ext {
 namespace {

@@ -6,6 +6,8 @@
 // Notifications may come from any thread (a CUDA host callback included); waits block without the
 // GIL (the bindings release it); a failed step leaves the scheduler failed: every later wait or check
 // rethrows that first error and no later job runs, for the scheduler's life (its Offloader is closed).
+// The scheduler owns the queue, the thread and the waits; speculative clipping's protocol is Speculation's
+// (speculation.h), a job's work on its unit is run_job's (job.h).
 #pragma once
 
 #include <chrono>
@@ -15,72 +17,18 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "adamw.h"
-#include "thread_pool.h"
+#include "../common/thread_pool.h"
+#include "../kernels/adamw_unit.h"
+#include "job.h"
+#include "scheduled_unit.h"
+#include "speculation.h"
 #include "trace.h"
 
 namespace offload_ext {
-
-struct StepUnit {
-  bool bf16_mode;           // all-bf16 span; else fp32 master with grad_type grad
-  void* param;              // bf16 or fp32
-  const void* grad;         // where the gradient copy lands: bf16 (bf16 mode) or grad_type
-  GradType grad_type;
-  void* exp_avg;
-  void* exp_avg_sq;
-  uint16_t* param_out;      // fp32 mode only, may be null
-  uint16_t* accum;          // bf16 gradient sum (accumulation), or the landed gradient kept for a redo; else null
-  // Speculative clipping: second state buffers, null without it. A speculative step writes the param
-  // (mixed: the master) and the moments there, and they become the live ones: the state before the step
-  // survives for an exact redo. In bf16 mode the next forward then copies the param from alt_param's
-  // buffer (the caller follows swapped()), so alt_param is page-locked like param. Stepping the param in
-  // place and saving its old value instead cost ~18 % more than a plain step (run 30's host passes: ~8.2
-  // ms against 6.95 for a B1 layer once its 1.9 ms host norm pass is taken out; the out-of-place redo took
-  // 7.8, and out of place the speculative step now costs a plain one's, run 31).
-  void* alt_param;
-  void* alt_exp_avg;
-  void* alt_exp_avg_sq;
-  int64_t numel;
-  // bf16 mode with stochastic rounding ("bf16-sr"): the unit's random stream, its index at element 0 of
-  // this span (a slice or group range of a unit starts past the unit's 0, so its bits do not depend on
-  // the slicing); speculative steps and redos draw the same bits as an in-place step.
-  std::optional<SrStream> sr;
-};
-
-// Elements [begin, end) of a unit stepped with the hyperparameters of parameter group `group`.
-struct GroupRange {
-  int group;
-  int64_t begin;
-  int64_t end;
-};
-
-// One fused AdamW pass over a unit's span with gradient `grad` (its landed copy or its accumulator); a bf16
-// gradient with `scale` != 1 is read as bf16(grad * scale), as clipping scales it.
-void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool, float scale = 1.0f);
-
-// What a landed gradient copy asks of its unit.
-enum class Job {
-  kStep = 0,            // step with the landed gradient
-  kAccumulateFirst = 1, // accum = landed gradient (first micro-batch)
-  kAccumulate = 2,      // accum += landed gradient, in bf16 like torch's .grad accumulation
-  kAccumulateStep = 3,  // step with bf16(accum + landed gradient), summed inside the step (last micro-batch)
-  kNorm = 4,            // sum of squares of accum, kept for sq_norm() (gradient clipping)
-  kScaleStep = 5,       // accum *= scale (rounded to bf16, like torch's clipping), then step with accum
-  // Speculative clipping: the norm of the summed gradient is known before any step is final.
-  kAccumulateNorm = 7,  // accum += landed gradient, then its sum of squares (one pass)
-  kSpeculativeStep = 8, // step with accum into the second state buffers, which become the live ones
-  kRedo = 9,            // accum *= scale, then step again from the state before the speculative step
-};
-
-// A job's name on the timeline.
-const char* job_name(Job job);
-// Whether the job computes a norm (kNorm, kAccumulateNorm): wait_norms() covers it until it is done.
-bool carries_norm(Job job);
 
 struct SchedulerStats {
   double busy_seconds = 0;   // wall time spent stepping, summed over units
@@ -179,31 +127,12 @@ class StepScheduler {
   std::shared_ptr<ThreadPool> pool() const { return pool_; }
 
  private:
-  struct Queued {
-    int unit;
-    std::vector<AdamWHyper> hypers;  // per group, as set when the job was queued
-    Job job;
-    float scale;
-    int64_t begin = 0;  // elements done by earlier slices
-    Parts parts = Parts::kAll;
-  };
   void loop();
   // Takes one job (or slice) and runs it; false once stopping with nothing left to run.
   bool loop_once();
   // The job to run next, or queue_.end() when none may run now (all held); requires mutex_.
-  std::deque<Queued>::iterator pick_locked();
-  bool held_locked(const Queued& q) const;  // requires mutex_
-  // With params first, a step after the norm at `at` stores the params alone and its moments pass is queued
-  // right behind it (one job more expected); requires mutex_.
-  void split_locked(std::deque<Queued>::iterator at);
-  // Unit id's last queued job when it is a speculative step no slice of which has run, else queue_.end():
-  // the step redo() turns into a clipped one in place and take_over() drops; requires mutex_.
-  std::deque<Queued>::iterator unstarted_speculation_locked(int id);
-  // The job's work on elements [begin, end) of `unit`; its AdamW pass split by the unit's group ranges.
-  void run(const StepUnit& unit, const std::vector<GroupRange>& groups, int64_t begin, int64_t end,
-           const Queued& job);
+  std::deque<QueuedJob>::iterator pick_locked();
   void rethrow_locked();  // requires mutex_
-  void release_holds_locked();  // requires mutex_: see wait_all()
   void check_unit_locked(int id) const;  // requires mutex_; throws std::out_of_range for an unknown unit
   // Blocks on done_cv_ until done(), counting the time blocked in stats_.wait_seconds.
   // Returns done() (false: `timeout` passed first); a failure ends the wait too.
@@ -213,29 +142,18 @@ class StepScheduler {
   bool wait_unit_locked(std::unique_lock<std::mutex>& lock, int id, bool params_only,
                         std::chrono::milliseconds timeout);
   void fail_locked(std::exception_ptr error);  // requires mutex_
-  bool done_locked(int id, bool params_only) const;  // see ready(); requires mutex_
+  // Nothing stays held from now on (wait_all, drain); requires mutex_.
+  void drop_holds_locked();
 
   std::shared_ptr<ThreadPool> pool_;
-  std::vector<StepUnit> units_;
-  std::vector<std::vector<GroupRange>> groups_;  // per unit
-  std::vector<int64_t> expected_;  // per unit: steps announced by expect()
-  std::vector<int64_t> stepped_;   // per unit: times stepped (or skipped after a failure)
-  std::vector<double> sq_norms_;   // per unit: the last kNorm result
-  std::vector<bool> swapped_;      // per unit: see swapped()
-  std::vector<int> waiters_;       // per unit: callers blocked in wait()
-  std::vector<int> params_waiters_;  // per unit: callers blocked in wait(params_only), whom its moments keep not
-  std::vector<int> trailing_;      // per unit: moments passes queued or running (each its unit's last job)
-  bool params_first_ = true;       // see set_params_first()
-  int64_t norms_pending_ = 0;      // announced norm jobs not yet done
-  int norm_waiters_ = 0;           // callers blocked in wait_norms()
-  bool hold_speculation_ = false;  // see wait_norms()
-  bool hold_all_speculation_ = false;  // see hold_speculation()
+  std::vector<ScheduledUnit> units_;
   std::vector<AdamWHyper> hypers_;  // per parameter group
   std::shared_ptr<TraceRecorder> trace_;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<Queued> queue_;
+  std::deque<QueuedJob> queue_;
+  Speculation speculation_{queue_, units_};  // after the queue and the units it works on
   int running_ = 0;  // jobs taken off queue_ and not yet accounted (see drain())
   std::exception_ptr error_;
   SchedulerStats stats_;

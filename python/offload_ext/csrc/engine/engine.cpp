@@ -13,9 +13,9 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include "adamw_op.h"
-#include "messages.h"
-#include "thread_pool.h"
+#include "../common/messages.h"
+#include "../common/thread_pool.h"
+#include "../ops/adamw_op.h"
 
 namespace offload_ext {
 namespace {

@@ -48,7 +48,7 @@ class Engine {
   // copy lands, and waits on the unit cover it from now on. Throws (and expects nothing) when the copy
   // cannot be enqueued.
   // `trace_unit` names the unit on the timeline (default: notify_unit). `then_step`: after the norm job,
-  // queue the unit's speculative BACKUP_STEP too. `after_event`: see CopyEngine::copy (ignored on the
+  // queue the unit's speculative step (SPECULATIVE_STEP) too. `after_event`: see CopyEngine::copy (ignored on the
   // simulated device, whose compute is the calling thread).
   std::shared_ptr<Event> copy(Direction dir, const at::Tensor& dst, const at::Tensor& src, int notify_unit, Job job,
                               int trace_unit, bool then_step, uintptr_t after_event = 0);

@@ -4,8 +4,8 @@
 
 #include <cmath>
 
-#include "messages.h"
-#include "thread_pool.h"
+#include "../common/messages.h"
+#include "../common/thread_pool.h"
 
 namespace offload_ext {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "step_scheduler.h"
+#include "../kernels/adamw_unit.h"
 
 namespace offload_ext {
 

@@ -2,8 +2,8 @@
 // to add), on the global pool.
 #include "sum_squares.h"
 
-#include "adamw.h"
-#include "thread_pool.h"
+#include "../common/thread_pool.h"
+#include "../kernels/adamw.h"
 
 namespace offload_ext {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "thread_pool.h"
+#include "../common/thread_pool.h"
 
 namespace offload_ext {
 

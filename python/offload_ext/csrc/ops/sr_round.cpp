@@ -4,9 +4,9 @@
 
 #include <algorithm>
 
-#include "messages.h"
-#include "stochastic_rounding.h"
-#include "thread_pool.h"
+#include "../common/messages.h"
+#include "../common/thread_pool.h"
+#include "../kernels/stochastic_rounding.h"
 
 namespace offload_ext {
 namespace {

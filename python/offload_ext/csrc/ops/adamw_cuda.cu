@@ -9,9 +9,9 @@
 
 #include <algorithm>
 
+#include "../kernels/adamw_update.h"
+#include "../kernels/bf16.h"
 #include "adamw_op.h"
-#include "adamw_update.h"
-#include "bf16.h"
 
 namespace offload_ext {
 namespace {
