@@ -1,7 +1,7 @@
 """offload_ext: full CPU offload for training models larger than one GPU."""
 from __future__ import annotations
 
-from offload_ext._info import build_info
+from offload_ext._ext import build_info
 from offload_ext._version import __version__
 from offload_ext.config import EngineTuning, OffloadConfig
 from offload_ext.engine.layers import enable_activation_checkpointing

@@ -1,14 +1,17 @@
-"""Loads the native extension: the ahead-of-time build if present, else a cached just-in-time build."""
+"""Loads the native extension (the ahead-of-time build if present, else a cached just-in-time build) and says
+what was built, against what, and what runs (build_info)."""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from offload_ext import _build
+from offload_ext._version import __version__
 
 _native: ModuleType | None = None
 _origin = "not loaded"
@@ -89,3 +92,18 @@ def origin() -> str:
 
 
 _load()
+
+
+def build_info() -> dict[str, Any]:
+    """Version, torch built against and running, CUDA compiled in or not, SIMD level, thread count."""
+    info: dict[str, Any] = {
+        "version": __version__,
+        "torch_running": torch.__version__,
+        "native": available(),
+        "native_origin": origin(),
+    }
+    if available():
+        info.update(native().native_info())
+    else:
+        info["native_error"] = error()
+    return info
