@@ -107,8 +107,12 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: st
 
     Both files carry the command, commit (`git rev-parse --short HEAD`, "-dirty" if tracked files changed),
     UTC date, torch version and machine. Nothing is overwritten: when <stem>.json or <stem>.md exists in
-    any target directory, the files are written as <stem>-2, <stem>-3, ... instead.
+    any target directory, the files are written as <stem>-2, <stem>-3, ... instead. A stem with a directory
+    (an absolute --stem, as the tests pass) names that directory in place of the run's.
     """
+    if os.path.dirname(stem) and out_dir is None:
+        # else the run's directory would be made (and left empty) while the files went to the stem's
+        out_dir, stem = os.path.dirname(stem), os.path.basename(stem)
     now = _dt.datetime.now(_dt.timezone.utc)
     machine = machine_info()
     payload = {"command": command_line(), "commit": git_commit(), "date": now.isoformat(timespec="seconds"),

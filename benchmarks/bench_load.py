@@ -1,5 +1,5 @@
 """Loading a checkpoint: host memory and time, streamed into the engine (Offloader.from_pretrained)
-against transformers' own load followed by offloading, each in a fresh interpreter (offload_ext.load_probe).
+against transformers' own load followed by offloading, each in a fresh interpreter (benchmarks/load_probe.py).
 
 A random bf16 safetensors checkpoint of the preset's shape is written first (once; --dir keeps it).
 Each row: the load's time, the first training step's end (with --step) and the child's whole wall time;
@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig
 
 import _common
-from offload_ext import load_probe
+import load_probe
 
 PRESETS = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
     "0.4b": (1024, 24, 16, 8, 4096, 32000, True),

@@ -3,8 +3,7 @@ step at which each curve leaves the first one by more than --tol; with --png, th
 Rounding differences (another cross-entropy kernel, another chunking, another precision) grow over a run;
 this shows how far.
 
-    python benchmarks/compare_curves.py --stem loss_curves_default \
-        benchmarks/results/2026-11-29_b30d77f/loss_curve_*.jsonl
+    python benchmarks/compare_curves.py --stem loss_curves_default $OUT/loss_curve_*.jsonl  # gpu_check's loss-curves
 """
 from __future__ import annotations
 

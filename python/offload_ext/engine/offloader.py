@@ -46,9 +46,9 @@ from offload_ext.models.weights import (
     materialize,
 )
 from offload_ext.optim.device_optimizer import DeviceOptimizer
-from offload_ext.optim.param_groups import HYPER_KEYS, build_groups
 from offload_ext.planning.choices import Settings, check_checkpointing, checkpointed_count, choose
 from offload_ext.planning.layout import Layout
+from offload_ext.planning.param_groups import HYPER_KEYS, build_groups
 from offload_ext.planning.plan import check_device_memory
 
 

@@ -17,7 +17,6 @@ from torch import nn
 
 from offload_ext.config import OffloadConfig, check_hyper, parse_size, resolve_device
 from offload_ext.models.stacks import find_layer_stacks
-from offload_ext.optim.param_groups import build_groups
 from offload_ext.planning import host_sizes
 from offload_ext.planning.choices import EngineChoices, Settings, check_checkpointing
 from offload_ext.planning.gpu import CUDA_CONTEXT, GpuEstimate, Shape, device_free_bytes, gpu_estimate
@@ -32,6 +31,7 @@ from offload_ext.planning.memory import (
     largest_seq,
     process_rss,
 )
+from offload_ext.planning.param_groups import build_groups
 
 _GB = 1e9
 

@@ -19,7 +19,7 @@ from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.fsdp_shards import materialize_shards
 from offload_ext.models.weights import WeightSource
 from offload_ext.optim.cpu_adamw import CPUAdamW
-from offload_ext.optim.param_groups import build_groups
+from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import data as data_mod
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.setup import UsageError

@@ -14,7 +14,7 @@ from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.lora import is_adapter
 from offload_ext.models.losses import causal_lm_loss
 from offload_ext.models.weights import WeightSource
-from offload_ext.optim.param_groups import build_groups
+from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import data as data_mod
 from offload_ext.train import run_dir
 from offload_ext.train.config import TrainConfig
