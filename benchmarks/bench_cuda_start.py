@@ -40,7 +40,7 @@ def _gpu_steps() -> list[tuple[str, Callable[[], object]]]:
 def _model_step() -> None:
     from offload_ext.models.weights import from_config_empty
     from offload_ext.train import cli as train
-    from offload_ext.train.setup import model_config
+    from offload_ext.train.model_configs import model_config
 
     args = train.parse_args(["--model", "llama-8b", "--device", "cuda", "--seq-len", "4096"])
     from_config_empty(model_config(args, 128256))

@@ -67,8 +67,10 @@ import offload_ext
 from offload_ext import testing
 from offload_ext.engine.layers import wrap_layer
 from offload_ext.engine.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Timeline, span
+from offload_ext.models.init_weights import tile_random
 from offload_ext.models.lora import add_lora
-from offload_ext.models.weights import filled_on, materialize, parameters_on_meta, tile_random
+from offload_ext.models.weight_source import filled_on, materialize
+from offload_ext.models.weights import parameters_on_meta
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]

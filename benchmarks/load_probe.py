@@ -29,7 +29,8 @@ def write_random_checkpoint(config: Any, path: str, std: float = 0.02, seed: int
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from offload_ext.models.weights import dtype_keyword, parameters_on_meta, tile_random
+    from offload_ext.models.init_weights import tile_random
+    from offload_ext.models.weights import dtype_keyword, parameters_on_meta
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): torch.bfloat16})

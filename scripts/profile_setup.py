@@ -11,6 +11,7 @@ import pstats
 import time
 
 from offload_ext.train import cli as train
+from offload_ext.train import machine, tokens
 from offload_ext.train import setup as train_setup
 from offload_ext.train.flags import train_config
 from offload_ext.train.trainer import Trainer
@@ -24,9 +25,9 @@ def main() -> None:
     a = ap.parse_args()
     args = train.parse_args(["--model", a.model, "--device", a.device, "--steps", "1", "--batch-size", "1",
                              "--seq-len", "4096", "--out", "/tmp/profile_setup", "--overwrite"])
-    device, simulated = train_setup.resolve_device(args)
-    train_setup.apply_defaults(args, device.type == "cuda")
-    phases = {"data": lambda: train_setup.build_stream(args)}
+    device, simulated = machine.choose_device(args)
+    machine.apply_defaults(args, device.type == "cuda")
+    phases = {"data": lambda: tokens.build_stream(args)}
     stream, _, vocab = _profiled("data", phases["data"], a.top)
     model, weights = _profiled("model", lambda: train_setup.build_model(args, vocab, device), a.top)
     _profiled("engine", lambda: Trainer(train_config(args, device), model, device, simulated, weights), a.top)

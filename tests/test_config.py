@@ -10,8 +10,8 @@ import torch
 
 import offload_ext
 from offload_ext import EngineTuning, OffloadConfig
+from offload_ext.train.errors import UsageError
 from offload_ext.train.flags import offload_config, parse_args
-from offload_ext.train.setup import UsageError
 
 CONFIGS = (OffloadConfig, EngineTuning)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from offload_ext.train import cli as train
-from offload_ext.train.setup import BUILTIN
+from offload_ext.train import tokens
+from offload_ext.train.model_configs import BUILTIN
 
 FAST = ["--steps", "12", "--batch-size", "4", "--seq-len", "32"]
 
@@ -304,12 +305,11 @@ def test_kept_layers_get_expandable_segments_unless_the_user_set_the_allocator(t
 
 
 def _stream_of(out, monkeypatch, cache) -> tuple:
-    from offload_ext.train import setup as train_setup
 
     monkeypatch.setenv("OFFLOAD_EXT_CACHE", str(cache))
     os.makedirs(out, exist_ok=True)
     args = train.parse_args(["--model", "tiny", "--device", "cpu-sim", "--out", str(out), *FAST])
-    stream, tok, vocab = train_setup.build_stream(args)
+    stream, tok, vocab = tokens.build_stream(args)
     return stream.tokens, tok.backend_tokenizer.to_str(), vocab
 
 

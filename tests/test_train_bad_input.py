@@ -14,7 +14,8 @@ import torch
 
 from offload_ext.train import cli as train
 from offload_ext.train import inputs as train_inputs
-from offload_ext.train.setup import BUILTIN, UsageError
+from offload_ext.train.errors import UsageError
+from offload_ext.train.model_configs import BUILTIN
 
 _WHOLE = safetensors.torch.save({"w": torch.zeros(2048)})  # the checkpoint that _truncated_checkpoint cuts short
 _BUILTINS = ", ".join(BUILTIN)
@@ -240,7 +241,7 @@ def test_the_default_backend_on_the_plain_cpu_trains_without_offload_and_says_so
                                                                                  monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = train.parse_args(["--device", device])
-    dev, simulated = train.resolve_device(args)
+    dev, simulated = train.choose_device(args)
     assert (dev.type, simulated, args.backend) == ("cpu", False, "none")
     assert capsys.readouterr().out == (f"offload-train: {said}: training on the CPU without offload (--backend none); "
                                        "--device cpu-sim runs the offload engine on the CPU\n")
@@ -251,7 +252,7 @@ def test_the_default_backend_on_the_plain_cpu_trains_without_offload_and_says_so
 def test_the_backend_is_native_by_default_and_as_given_otherwise(argv, backend, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = train.parse_args(argv)
-    train.resolve_device(args)
+    train.choose_device(args)
     assert args.backend == backend
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from offload_ext.train import cli as train
-from offload_ext.train import run_dir
+from offload_ext.train import prior_run, run_dir
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
        "--save-every", "1"]
@@ -73,11 +73,11 @@ def test_a_crash_at_every_write_boundary_resumes_exactly_like_the_uninterrupted_
     with pytest.raises(_Killed):
         train.run(train.parse_args(["--out", out, *RUN]))
     monkeypatch.setattr(run_dir, "crash_hook", None)
-    resumed_from = run_dir.find(out, "latest").step
+    resumed_from = prior_run.find(out, "latest").step
     assert resumed_from == (3 if boundary in ("renamed", "linked", "pruned", "saved") else 2)
     train.run(train.parse_args(["--out", out, *RUN, "--resume"]))
     assert _losses(out) == straight  # each step once: the rows after the checkpoint trimmed and trained again
-    assert [s for s, _ in run_dir.complete_checkpoints(out)] == [3, 4]  # --keep-checkpoints 2
+    assert [s for s, _ in prior_run.complete_checkpoints(out)] == [3, 4]  # --keep-checkpoints 2
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-000003", "step-000004"]  # no leftovers
 
 
@@ -96,7 +96,7 @@ def test_a_torn_checkpoint_is_refused_naming_the_file_and_the_previous_one_resum
                                                                                   straight) -> None:
     out = str(tmp_path / "run")
     train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "3"]))
-    step2, step3 = (p for _, p in run_dir.complete_checkpoints(out))
+    step2, step3 = (p for _, p in prior_run.complete_checkpoints(out))
     torn = os.path.join(step3, "model.safetensors")
     size = os.path.getsize(torn)
     os.truncate(torn, size // 2)  # a write cut short
@@ -111,7 +111,7 @@ def test_a_torn_checkpoint_is_refused_naming_the_file_and_the_previous_one_resum
 def test_a_part_of_another_step_is_refused_by_its_hash(tmp_path, capsys) -> None:
     out = str(tmp_path / "run")
     train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "3"]))
-    step2, step3 = (p for _, p in run_dir.complete_checkpoints(out))
+    step2, step3 = (p for _, p in prior_run.complete_checkpoints(out))
     for name in ("trainer_state.pt", "engine_state.safetensors"):  # the same sizes in both steps
         mixed = os.path.join(step3, name)
         backup = os.path.join(out, name + ".bak")
@@ -140,7 +140,7 @@ def test_an_out_holding_a_run_is_refused_with_both_options_and_nothing_is_writte
     assert _snapshot(out) == before
     train.run(train.parse_args(["--out", out, *RUN, "--steps", "1", "--overwrite"]))
     assert [s for s, _ in _losses(out)] == [1]
-    assert [s for s, _ in run_dir.complete_checkpoints(out)] == [1]
+    assert [s for s, _ in prior_run.complete_checkpoints(out)] == [1]
 
 
 def test_an_out_with_metrics_but_no_checkpoint_is_refused_and_resume_says_there_is_none(tmp_path, capsys) -> None:
@@ -194,7 +194,7 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
     proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not run_dir.complete_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
+    while not prior_run.complete_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
@@ -202,6 +202,6 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     line = [x for x in err.splitlines() if "interrupted" in x]
     assert len(line) == 1, err
-    step, path = run_dir.complete_checkpoints(out)[-1]
+    step, path = prior_run.complete_checkpoints(out)[-1]
     assert line[0] == (f"offload-train: interrupted; last complete checkpoint: step {step} ({path}); continue "
                        f"with: offload-train {' '.join(argv)} --resume")

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from offload_ext.engine.backends import Backend, LayerBuffers
-from offload_ext.models.weights import WeightSource, make_real
+from offload_ext.models.weight_source import WeightSource, make_real
 from offload_ext.planning.layout import Unit
 
 

@@ -40,11 +40,7 @@ from offload_ext.engine.state import (
 from offload_ext.engine.step_policy import StepPolicy
 from offload_ext.engine.timeline import Timeline, span
 from offload_ext.engine.wiring import LayerWiring
-from offload_ext.models.weights import (
-    WeightSource,
-    check_materialized,
-    materialize,
-)
+from offload_ext.models.weight_source import WeightSource, check_materialized, materialize
 from offload_ext.optim.device_optimizer import DeviceOptimizer
 from offload_ext.planning.choices import Settings, check_checkpointing, checkpointed_count, choose
 from offload_ext.planning.layout import Layout

@@ -7,7 +7,7 @@ resident memory until it is unmapped, which would add the checkpoint's size to t
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import math
 import os
@@ -19,9 +19,12 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from offload_ext.models.durable import atomic_write
+
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _BOUNCE_BYTES = 64 << 20  # a conversion's staging buffer: the most a read holds besides its destination
+_FIX = "copy or download the checkpoint again"  # what a damaged or truncated file's error ends with
 
 
 @dataclass(frozen=True)
@@ -39,61 +42,102 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
-def _read_header(path: str) -> dict[str, TensorEntry]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > 100 << 20:
-            raise ValueError(f"{path}: not a safetensors file (header of {size} bytes)")
-        header = json.loads(f.read(size))
-        file_bytes = os.fstat(f.fileno()).st_size
+def checkpoint_entries(path: str, stem: str = "model") -> dict[str, TensorEntry]:
+    """Every tensor of checkpoint `path` (see checkpoint_files) by name, each file's header checked before
+    anything is read from it: whole, every entry's byte range that of its shape, and the file as long as its
+    header says, so that a copy cut short is refused here, not halfway through filling a buffer. Errors name
+    the file as it lies under `path` and the fix: FileNotFoundError when the checkpoint has no safetensors
+    files, ValueError when one is missing, damaged or truncated."""
     entries = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; expected one of {', '.join(_DTYPES)}")
-        entries[name] = _entry(path, name, meta, 8 + size, file_bytes)
+    for file in checkpoint_files(path, stem):
+        shown = os.path.relpath(file, path) if os.path.isdir(path) else os.path.basename(file)
+        entries.update(_read_header(file, shown))
     return entries
-
-
-def _entry(path: str, name: str, meta: dict, data_start: int, file_bytes: int) -> TensorEntry:
-    """A header's entry, its byte range checked against its shape and the file: a crafted or damaged header
-    must not make a read land outside the tensor it names (or a buffer be sized from a lie)."""
-    dtype = _DTYPES[meta["dtype"]]
-    shape = meta["shape"]
-    offsets = meta["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise ValueError(f"{path}: tensor {name!r} has a malformed header entry (shape {shape!r}, data_offsets "
-                         f"{offsets!r}); the file is damaged: write or download it again")
-    begin, end = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not 0 <= begin <= end or end - begin != nbytes or data_start + end > file_bytes:
-        raise ValueError(f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data ({nbytes} expected for "
-                         f"{meta['dtype']} {shape}; the file holds {file_bytes - data_start}); the file is damaged "
-                         "or truncated: write or download it again")
-    return TensorEntry(path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
 def checkpoint_files(path: str, stem: str = "model") -> list[str]:
     """The safetensors files of a checkpoint: a file, or a directory with <stem>.safetensors or a sharded
-    index (<stem>.safetensors.index.json)."""
+    index (<stem>.safetensors.index.json) whose shards are all there."""
     if os.path.isfile(path):
         return [path]
-    index = os.path.join(path, f"{stem}.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+    index = f"{stem}.safetensors.index.json"
+    if os.path.isfile(os.path.join(path, index)):
+        shards = _index_shards(os.path.join(path, index))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise ValueError(f"{missing[0]}, named in {index}, is missing ({len(missing)} of {len(shards)} shards); "
+                             "copy the whole checkpoint")
         return [os.path.join(path, s) for s in shards]
     single = os.path.join(path, f"{stem}.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise FileNotFoundError(f"{path}: no {stem}.safetensors or {stem}.safetensors.index.json (only safetensors "
-                            "checkpoints stream into the Offloader; convert others with save_pretrained(..., "
-                            "safe_serialization=True))")
+    raise FileNotFoundError(f"{path}: no {stem}.safetensors or {index} (only safetensors checkpoints stream into "
+                            "the Offloader; convert others with save_pretrained(..., safe_serialization=True))")
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard files a sharded checkpoint's index names, each once, sorted."""
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        if not all(isinstance(s, str) for s in shards):
+            raise TypeError("a shard name is not a string")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{os.path.basename(index)} is not a safetensors index ({exc}); save the model again with "
+                         "save_pretrained") from exc
+    return shards
+
+
+def _read_header(path: str, shown: str) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, its header checked (see checkpoint_entries); `shown` names it."""
+    file_bytes = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{shown} is not a safetensors file (shorter than its 8-byte header length); {_FIX}")
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 << 20:
+            raise ValueError(f"{shown} is not a safetensors file (a header of {size} bytes); {_FIX}")
+        if 8 + size > file_bytes:
+            raise ValueError(f"{shown} is truncated ({file_bytes} bytes, shorter than its header of {8 + size}); "
+                             f"{_FIX}")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise ValueError(f"{shown} is not a whole safetensors file (its header is not JSON: {exc}); "
+                             f"{_FIX}") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{shown} is not a whole safetensors file (its header is not a JSON object); {_FIX}")
+    entries = {name: _entry(path, shown, name, meta, 8 + size) for name, meta in header.items()
+               if name != "__metadata__"}
+    claimed = max((e.offset + e.nbytes for e in entries.values()), default=8 + size)
+    if claimed > file_bytes:
+        raise ValueError(f"{shown} is truncated ({file_bytes} bytes, its header says {claimed}); {_FIX}")
+    return entries
+
+
+def _entry(path: str, shown: str, name: str, meta: object, data_start: int) -> TensorEntry:
+    """A header's entry, its byte range checked against its shape: a crafted or damaged header must not make a
+    read land outside the tensor it names (or a buffer be sized from a lie)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{shown}: tensor {name!r} has a malformed header entry ({meta!r}); the file is damaged: "
+                         f"{_FIX}")
+    dtype_name = meta.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+        raise ValueError(f"{shown}: tensor {name!r} has dtype {dtype_name}; expected one of {', '.join(_DTYPES)}")
+    dtype = _DTYPES[dtype_name]
+    shape = meta.get("shape")
+    offsets = meta.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise ValueError(f"{shown}: tensor {name!r} has a malformed header entry (shape {shape!r}, data_offsets "
+                         f"{offsets!r}); the file is damaged: {_FIX}")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end or end - begin != nbytes:
+        raise ValueError(f"{shown}: tensor {name!r} claims bytes {begin}..{end} of the data ({nbytes} expected for "
+                         f"{dtype_name} {shape}); the file is damaged: {_FIX}")
+    return TensorEntry(path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
 class SafetensorsCheckpoint:
@@ -101,9 +145,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, path: str, stem: str = "model") -> None:
         self.path = path
-        self.entries: dict[str, TensorEntry] = {}
-        for file in checkpoint_files(path, stem):
-            self.entries.update(_read_header(file))
+        self.entries = checkpoint_entries(path, stem)
 
     def entry_for(self, names: list[str], shape: torch.Size) -> TensorEntry:
         """The entry of the first of a parameter's names (a tied parameter has several) the checkpoint has;
@@ -180,8 +222,8 @@ def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_sh
                       stem: str = "model") -> list[str]:
     """Write `tensors` as <stem>.safetensors, or as <stem>-0000k-of-0000n.safetensors shards of at most
     max_shard_bytes with a <stem>.safetensors.index.json, one tensor in memory at a time. Each file is
-    written under a .partial name and renamed when complete, so a failure leaves no file half-written
-    under its real name. Returns the files written."""
+    written whole or not at all (atomic_write), so a failure leaves no file half-written under its real
+    name. Returns the files written."""
     for name, src in tensors:
         if src.dtype not in _NAMES:
             raise ValueError(f"write_safetensors: tensor {name!r} has dtype {src.dtype}; expected one of "
@@ -190,27 +232,17 @@ def write_safetensors(path: str, tensors: list[tuple[str, TensorSource]], max_sh
     names = ([f"{stem}.safetensors"] if len(shards) == 1 else
              [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     os.makedirs(path, exist_ok=True)
-    done = []
-    try:
-        for file, shard in zip(names, shards):
-            _write_file(os.path.join(path, file), shard)
-            done.append(file)
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(src.nbytes for _, src in tensors)},
-                     "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard}}
-            index_path = os.path.join(path, f"{stem}.safetensors.index.json")
-            with open(index_path + ".partial", "w") as f:
-                json.dump(index, f, indent=2)
-            os.replace(index_path + ".partial", index_path)
-    except BaseException:
-        for file in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(path, file + ".partial"))
-        raise
-    return [os.path.join(path, f) for f in done]
+    for file, shard in zip(names, shards):
+        atomic_write(os.path.join(path, file), functools.partial(_write_shard, shard))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(src.nbytes for _, src in tensors)},
+                 "weight_map": {name: file for file, shard in zip(names, shards) for name, _ in shard}}
+        atomic_write(os.path.join(path, f"{stem}.safetensors.index.json"),
+                     lambda f: f.write(json.dumps(index, indent=2).encode()))
+    return [os.path.join(path, f) for f in names]
 
 
-def _write_file(path: str, shard: list[tuple[str, TensorSource]]) -> None:
+def _write_shard(shard: list[tuple[str, TensorSource]], f: BinaryIO) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, src in shard:
@@ -219,13 +251,11 @@ def _write_file(path: str, shard: list[tuple[str, TensorSource]]) -> None:
         offset += src.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
-    with open(path + ".partial", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, src in shard:
-            t = src.values()
-            if t.dtype != src.dtype or tuple(t.shape) != src.shape or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"write_safetensors: {name!r} gave {t.dtype} {list(t.shape)} on {t.device}, "
-                                 f"expected a contiguous CPU {src.dtype} {list(src.shape)}")
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    os.replace(path + ".partial", path)
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for name, src in shard:
+        t = src.values()
+        if t.dtype != src.dtype or tuple(t.shape) != src.shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"write_safetensors: {name!r} gave {t.dtype} {list(t.shape)} on {t.device}, "
+                             f"expected a contiguous CPU {src.dtype} {list(src.shape)}")
+        f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))

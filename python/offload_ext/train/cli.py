@@ -18,23 +18,17 @@ import torch
 from offload_ext.models.lora import add_lora
 from offload_ext.models.weights import from_config_empty
 from offload_ext.planning.plan import MemoryPlan, plan
+from offload_ext.train import checkpoint_manifest, errors, prior_run
 from offload_ext.train import data as data_mod
-from offload_ext.train import run_dir
+from offload_ext.train.errors import UsageError
 from offload_ext.train.flags import offload_config, parse_args, run_flags, train_config
 from offload_ext.train.gpu_warmup import GpuWarmup
 from offload_ext.train.inputs import check_inputs
 from offload_ext.train.loop import dist_rank, print_setup, seconds_since_process_start, train_loop
-from offload_ext.train.setup import (
-    UsageError,
-    apply_defaults,
-    build_model,
-    build_stream,
-    check_loss_args,
-    check_loss_chunk,
-    model_config,
-    planned_vocab,
-    resolve_device,
-)
+from offload_ext.train.machine import apply_defaults, check_loss_args, check_loss_chunk, choose_device
+from offload_ext.train.model_configs import model_config
+from offload_ext.train.setup import build_model
+from offload_ext.train.tokens import build_stream, planned_vocab
 from offload_ext.train.trainer import Trainer
 
 
@@ -46,10 +40,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     entered = time.perf_counter()
     began = entered - seconds_since_process_start()  # metrics' elapsed_s: the interpreter and set-up count
     _check_out(args)
-    device, simulated = resolve_device(args)
+    device, simulated = choose_device(args)
     if args.fsdp:
         return _run_fsdp(args, device, simulated, began, entered)
-    on_gpu = device.type == "cuda"  # args.backend resolved by resolve_device: none on the CPU unless simulated
+    on_gpu = device.type == "cuda"  # args.backend resolved by choose_device: none on the CPU unless simulated
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
     if args.backend != "none" and args.device == "cpu":
@@ -84,11 +78,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
     start = trainer.load(stream, resume_from) if resume_from is not None else 0
-    metrics_path = os.path.join(args.out, run_dir.METRICS)
+    metrics_path = os.path.join(args.out, prior_run.METRICS)
     if resume_from is not None:
-        run_dir.trim_metrics(args.out, start)  # the steps after the checkpoint are trained (and logged) again
+        prior_run.trim_metrics(args.out, start)  # the steps after the checkpoint are trained (and logged) again
     else:
-        run_dir.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
+        prior_run.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
 
@@ -99,21 +93,21 @@ def _check_out(args: argparse.Namespace) -> None:
     if args.resume is not None and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
                          "--overwrite replaces it; pass one")
-    held = run_dir.existing_run(args.out)
+    held = prior_run.existing_run(args.out)
     if held is not None and args.resume is None and not args.overwrite:
         raise UsageError(f"--out {args.out} already holds a run ({held}): continue it with --resume, or replace "
                          "it with --overwrite (or pick another --out)")
 
 
-def _resume_point(args: argparse.Namespace) -> run_dir.Checkpoint | None:
+def _resume_point(args: argparse.Namespace) -> checkpoint_manifest.Checkpoint | None:
     """The verified checkpoint --resume continues from (None without --resume), its flags checked against
     this run's: before the model or the engine is built."""
     if args.resume is None:
         return None
     try:
-        ckpt = run_dir.find(args.out, args.resume)
-        run_dir.check_flags(ckpt, run_flags(args))
-    except run_dir.CheckpointError as exc:
+        ckpt = prior_run.find(args.out, args.resume)
+        prior_run.check_flags(ckpt, run_flags(args))
+    except errors.CheckpointError as exc:
         raise UsageError(str(exc)) from exc
     return ckpt
 
@@ -236,8 +230,8 @@ def _allocator_settings(args: argparse.Namespace) -> None:
 
 def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
     """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
-    complete = run_dir.complete_checkpoints(args.out)
-    legacy = os.path.join(args.out, run_dir.LEGACY)
+    complete = prior_run.complete_checkpoints(args.out)
+    legacy = os.path.join(args.out, prior_run.LEGACY)
     if complete:
         last = "last complete checkpoint: step {} ({})".format(*complete[-1])
     elif args.fsdp and os.path.isdir(legacy):  # --fsdp writes its checkpoint in place
@@ -280,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         check_inputs(args)
         run(args)
     except UsageError as exc:
-        if fresh_out and run_dir.existing_run(args.out) is None:  # never a run's metrics or checkpoints
+        if fresh_out and prior_run.existing_run(args.out) is None:  # never a run's metrics or checkpoints
             shutil.rmtree(args.out, ignore_errors=True)
         _refuse(exc, args.debug)
     except KeyboardInterrupt:

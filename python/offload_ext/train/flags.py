@@ -12,10 +12,11 @@ import torch
 from offload_ext.config import EngineTuning, OffloadConfig, parse_size
 from offload_ext.models.losses import BACKENDS
 from offload_ext.train import data as data_mod
-from offload_ext.train import run_dir
+from offload_ext.train import prior_run
 from offload_ext.train.config import TrainConfig
+from offload_ext.train.errors import UsageError
 from offload_ext.train.inputs import check_numbers
-from offload_ext.train.setup import BUILTIN, UsageError
+from offload_ext.train.model_configs import BUILTIN
 
 DESCRIPTION = """Train a causal LM with CPU offload (or without, for comparison) on one device, or with --fsdp under
 torchrun on several.
@@ -212,5 +213,5 @@ def run_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The flags a resume must repeat, as set-up resolved them (before data and model set-up could add to
     `args`): recorded in each checkpoint's manifest and checked by --resume."""
     if getattr(args, "run_flags", None) is None:
-        args.run_flags = {k: getattr(args, k, None) for k in run_dir.RESUME_FLAGS}
+        args.run_flags = {k: getattr(args, k, None) for k in prior_run.RESUME_FLAGS}
     return args.run_flags

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.fsdp_shards import materialize_shards
-from offload_ext.models.weights import WeightSource
+from offload_ext.models.weight_source import WeightSource
 from offload_ext.optim.cpu_adamw import CPUAdamW
 from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import data as data_mod
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.setup import UsageError
+from offload_ext.train.errors import UsageError
 from offload_ext.train.trainer import mark_phase
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.

@@ -12,12 +12,13 @@ import math
 import os
 import re
 import socket
-import struct
 from urllib.parse import urlparse
 
 from offload_ext.config import parse_size
+from offload_ext.models.safetensors_io import checkpoint_entries
 from offload_ext.train.data import EMBEDDED
-from offload_ext.train.setup import BUILTIN, UsageError
+from offload_ext.train.errors import UsageError
+from offload_ext.train.model_configs import BUILTIN
 
 # flag's attribute: (least value, what one unit is). None (a default not yet applied) is not checked.
 _WHOLE_NUMBERS = {
@@ -172,46 +173,12 @@ def _check_model(name: str, weights_read: bool) -> None:
         raise UsageError(f"--model {name}: the directory has no config.json; expected a transformers model directory "
                          "(save_pretrained writes one)")
     if weights_read:
-        for file in _safetensors_files(path):
-            _check_safetensors(name, file)
-
-
-def _safetensors_files(path: str) -> list[str]:
-    """The directory's safetensors files (the shards an index names, when it has one)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
         try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UsageError(f"--model {path}: model.safetensors.index.json is not a safetensors index ({exc}); "
-                             "save the model again with save_pretrained") from exc
-        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
-        if missing:
-            raise UsageError(f"--model {path}: {missing[0]}, named in model.safetensors.index.json, is missing "
-                             f"({len(missing)} of {len(shards)} shards); copy the whole checkpoint")
-        return [os.path.join(path, s) for s in shards]
-    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-
-
-def _check_safetensors(name: str, file: str) -> None:
-    """The file's header is whole and its tensors end within the file: a copy cut short otherwise fails
-    halfway through filling the engine."""
-    size = os.path.getsize(file)
-    base = os.path.basename(file)
-    fix = "copy or download the checkpoint again"
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if 8 + length > size:
-                raise ValueError("its header runs past the end of the file")
-            header = json.loads(f.read(length))
-        end = max((int(m["data_offsets"][1]) for k, m in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise UsageError(f"--model {name}: {base} is not a whole safetensors file ({exc}); {fix}") from exc
-    if 8 + length + end > size:
-        raise UsageError(f"--model {name}: {base} is truncated ({size} bytes, its header says "
-                         f"{8 + length + end}); {fix}")
+            checkpoint_entries(path)  # every header checked: a copy cut short fails here, not filling the engine
+        except FileNotFoundError:
+            pass  # no safetensors: --backend none loads what transformers finds; the engine names the fix
+        except ValueError as exc:
+            raise UsageError(f"--model {name}: {exc}") from exc
 
 
 def _check_dataset(args: argparse.Namespace) -> None:

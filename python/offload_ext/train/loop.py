@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from offload_ext.engine.timeline import Timeline
-from offload_ext.train import run_dir
+from offload_ext.train import prior_run, run_dir
 from offload_ext.train.trainer import Trainer
 
 
@@ -103,8 +103,8 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     if end > start and not (args.save_every and end % args.save_every == 0):  # not saved by the loop already
         saved = trainer.save(end, stream, tokenizer)
     elif saved is None:  # a resume with no step left: its checkpoint stays the run's last
-        complete = run_dir.complete_checkpoints(args.out)
-        saved = complete[-1][1] if complete else os.path.join(args.out, run_dir.LEGACY)  # --fsdp's, in place
+        complete = prior_run.complete_checkpoints(args.out)
+        saved = complete[-1][1] if complete else os.path.join(args.out, prior_run.LEGACY)  # --fsdp's, in place
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
                "final_loss": losses[-1] if losses else None, "tokens_per_s": float(np.median(steady)),

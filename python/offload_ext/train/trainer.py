@@ -13,12 +13,12 @@ import torch
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.lora import is_adapter
 from offload_ext.models.losses import causal_lm_loss
-from offload_ext.models.weights import WeightSource
+from offload_ext.models.weight_source import WeightSource
 from offload_ext.planning.param_groups import build_groups
+from offload_ext.train import checkpoint_manifest, run_dir
 from offload_ext.train import data as data_mod
-from offload_ext.train import run_dir
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.setup import UsageError
+from offload_ext.train.errors import UsageError
 
 
 def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str, last: bool = False) -> None:
@@ -88,7 +88,7 @@ class Trainer:
             self.opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay, fused=True)
         else:
             from offload_ext.optim.cpu_adamw import (
-                CPUAdamW,  # resolve_device has said that this run trains on the CPU without offload
+                CPUAdamW,  # choose_device has said that this run trains on the CPU without offload
             )
 
             self.opt = CPUAdamW(params, lr=c.lr, weight_decay=c.weight_decay, master_weights=o.precision == "mixed",
@@ -175,8 +175,8 @@ class Trainer:
         run_dir.boundary("trainer_state", step)
         return run_dir.commit(self.config.out, ckpt, step, dict(self.config.flags), self.config.keep_checkpoints)
 
-    def load(self, stream: data_mod.TokenStream, ckpt: run_dir.Checkpoint) -> int:
-        """Continue from `ckpt` (verified by run_dir.find, its flags checked): the step it ends."""
+    def load(self, stream: data_mod.TokenStream, ckpt: checkpoint_manifest.Checkpoint) -> int:
+        """Continue from `ckpt` (verified by prior_run.find, its flags checked): the step it ends."""
         path = os.path.join(ckpt.path, "trainer_state.pt")
         state = torch.load(path, weights_only=False)
         if state["step"] != ckpt.step:  # every part of a checkpoint names one step

@@ -1,0 +1,11 @@
+"""offload-train's errors for bad input: each printed as one line naming the input and the fix, without a
+traceback. Every train/ module may raise them: this module imports nothing."""
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """Bad input: printed without a traceback, with the fix."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from; the message is one line naming the file and the fix."""
