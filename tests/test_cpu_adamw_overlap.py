@@ -101,6 +101,33 @@ def test_clipping_in_backward_commits_or_redoes_exactly_the_rule(dtype, max_norm
     assert runs[True][3] == runs[False][3]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_non_finite_norm_raises_and_leaves_the_optimizer_as_before_the_step(overlap) -> None:
+    # clip_grad_norm_(error_if_nonfinite=True)'s rule, the Offloader's: no step is applied, the steps taken in
+    # backward are undone, and the next batch trains as if the refused one had never come.
+    base = _model()
+    runs = []
+    for refused in (False, True):
+        model = copy.deepcopy(base)
+        opt = offload_ext.CPUAdamW(_groups(model), overlap=overlap, max_grad_norm=1.0)
+        _train(model, opt, 1)
+        if refused:
+            before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+            (model(torch.randn(8, 33)).pow(2).mean() * float("nan")).backward()
+            with pytest.raises(FloatingPointError, match="CPUAdamW: the total gradient norm is nan .*not applied"):
+                opt.step()
+            assert math.isnan(opt.last_grad_norm)
+            opt.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before[1]))
+            for index, state in opt.state_dict()["state"].items():
+                assert all(torch.equal(v, before[0]["state"][index][k]) for k, v in state.items()), index
+        _train(model, opt, 2)
+        runs.append((model, opt.last_clip_action))
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(a, b)
+    assert runs[0][1] == runs[1][1]
+
+
 def test_steps_in_backward_take_the_groups_a_loaded_state_dict_brings() -> None:
     # load_state_dict replaces the groups: a step in backward must read the new ones (a schedule sets their lr)
     model = _model()

@@ -8,33 +8,21 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from offload_ext.ops import adamw_step
-from offload_ext.optim.global_clip import Preserved, check_clippable, clip_scale, global_norm, local_sq
+from offload_ext.optim.adamw_checks import (
+    check_adamw_keywords,
+    check_host_memory_for,
+    check_hyper,
+    check_loaded_groups,
+    check_param,
+    check_seed,
+)
+from offload_ext.optim.global_clip import GlobalClip, check_clippable, local
 from offload_ext.optim.overlap import InBackwardSteps
 from offload_ext.optim.stochastic_rounding import adamw_step_sr
-from offload_ext.planning.host_sizes import Alternative, HostBlock, HostNeed, available_host_bytes, check_host_memory
 
-_SUPPORTED = (torch.float32, torch.bfloat16)
 _FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What the kernel steps: a DTensor's local shard (its storage), else the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _check_param(p: torch.Tensor) -> None:
-    p = _local(p.detach())
-    if p.device.type != "cpu":
-        raise ValueError(f"CPUAdamW: parameters must live on the CPU, got one on {p.device}; "
-                         "use torch.optim.AdamW(fused=True) for GPU parameters")
-    if p.dtype not in _SUPPORTED:
-        raise ValueError(f"CPUAdamW: parameters must be float32 or bfloat16, got {p.dtype}")
-    if not p.is_contiguous():
-        raise ValueError("CPUAdamW: parameters must be contiguous (the kernel steps flat spans); "
-                         "make them contiguous before building the optimizer, e.g. p.data = p.data.contiguous()")
 
 
 def _closure_loss(closure: Callable[[], float] | None) -> float | None:
@@ -59,49 +47,6 @@ def _all_params(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, 
             index += 1
 
 
-# torch.optim.AdamW's keywords that CPUAdamW accepts at AdamW's defaults only, so that code forwarding AdamW's
-# arguments runs unchanged; another value is refused rather than silently ignored.
-_ADAMW_ONLY_AT_DEFAULT = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
-# AdamW's implementation choices: CPUAdamW always runs its fused kernel, whatever they say.
-_ADAMW_IMPLEMENTATION = ("foreach", "fused")
-
-
-def _check_adamw_keywords(kwargs: dict[str, Any]) -> None:
-    for key, value in kwargs.items():
-        if key in _ADAMW_IMPLEMENTATION:
-            continue
-        if key not in _ADAMW_ONLY_AT_DEFAULT:
-            raise TypeError(f"CPUAdamW got an unexpected keyword argument {key!r}")
-        if bool(value) != _ADAMW_ONLY_AT_DEFAULT[key]:
-            raise ValueError(f"CPUAdamW: {key}={value!r} is not supported (only AdamW's default, "
-                             f"{key}={_ADAMW_ONLY_AT_DEFAULT[key]}); use torch.optim.AdamW for it")
-
-
-def _check_loaded_groups(groups: list[dict[str, Any]]) -> None:
-    """Refuse a state saved by an AdamW whose rule differs from CPUAdamW's (amsgrad, maximize): loading it would
-    report that rule and step by plain AdamW's."""
-    for k, group in enumerate(groups):
-        for key in ("amsgrad", "maximize"):
-            if group.get(key):
-                raise ValueError(f"CPUAdamW.load_state_dict: param group {k} was saved with {key}=True, which "
-                                 "CPUAdamW does not implement; continue it with torch.optim.AdamW")
-
-
-def _check_lr(lr: float | torch.Tensor) -> None:
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-
-
-def _check_seed(state_dict: dict[str, Any], seed: int, who: str) -> None:
-    """Refuse a state whose stochastic rounding drew from another seed: its stream could not continue."""
-    saved = state_dict.get("sr_seed")  # states saved before the seed was kept have none
-    if saved is not None and saved != seed:
-        raise ValueError(f"{who}: the state's stochastic rounding drew from sr_seed={saved}, this optimizer's "
-                         f"from sr_seed={seed}: build it with sr_seed={saved} to continue the same run")
-
-
 class CPUAdamW(torch.optim.Optimizer):
     """Drop-in for torch.optim.AdamW on CPU parameters. AdamW's other keywords are taken at its defaults
     (amsgrad, maximize, capturable and differentiable False; foreach and fused any value: the kernel is fused),
@@ -120,11 +65,13 @@ class CPUAdamW(torch.optim.Optimizer):
     (offload_ext.optim.overlap); `step()` waits for those and steps the parameters they did not reach. The
     gradients are consumed by then: change them only with overlap=False. With gradient accumulation, run
     every backward but a step's last inside `with opt.no_overlap():`.
-    `max_grad_norm` clips by the global norm (offload_ext.optim.global_clip's rule: float64 sums, across ranks for
-    DTensor shards). With overlap, the steps in backward keep a copy of the state before them; `step()` takes
-    the norm and commits them, or redoes each from its copy with the scaled gradient (`last_clip_action`:
-    "committed" / "redone"; without overlap "unclipped" / "clipped"; `last_grad_norm`). The copies cost one
-    more parameter and both moments (and the fp32 master) per parameter, on the host.
+    `max_grad_norm` clips by the global norm (offload_ext.optim.clipping's rule, the Offloader's: float64 sums,
+    across ranks for DTensor shards; offload_ext.optim.global_clip). With overlap, the steps in backward keep a
+    copy of the state before them; `step()` takes the norm and commits them, or redoes each from its copy with
+    the scaled gradient (`last_clip_action`: "committed" / "redone"; without overlap "unclipped" / "clipped";
+    `last_grad_norm`). The copies cost one more parameter and both moments (and the fp32 master) per
+    parameter, on the host. A non-finite norm raises FloatingPointError, as clip_grad_norm_(error_if_nonfinite=
+    True) does, with no step applied (the steps in backward undone).
     """
 
     def __init__(
@@ -141,65 +88,39 @@ class CPUAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         **adamw_keywords: Any,
     ) -> None:
-        _check_adamw_keywords(adamw_keywords)
-        _check_lr(lr)
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"CPUAdamW: max_grad_norm must be a positive number (or None: no clipping), got "
-                             f"{max_grad_norm!r}")
+        check_adamw_keywords(adamw_keywords)
+        check_hyper(lr, betas, eps, weight_decay)
+        self._clip = GlobalClip(max_grad_norm) if max_grad_norm is not None else None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         stochastic_rounding=stochastic_rounding)
         self.overlap: InBackwardSteps | None = None
         self._located: tuple[list, tuple, dict] | None = None  # _locate's map and the groups it was made from
         super().__init__(params, defaults)  # add_param_group checks (and with overlap, watches) each group
         self.sr_seed = sr_seed
-        self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: float | None = None
-        self.last_clip_action: str | None = None
-        self._preserved = Preserved()
-        self._sq: dict[int, float] = {}  # id -> the local sum of squares a step in backward took
         if max_grad_norm is not None:
             check_clippable([p for _, p, _ in _all_params(self.param_groups)])
-        self._check_host_memory(overlap)
+        # No state exists yet: what each parameter's will be, and with overlap and clipping its copy for a redo.
+        shards = [(local(p.detach()), self._uses_master(p, group)) for group, p, _ in _all_params(self.param_groups)]
+        check_host_memory_for(shards, bool(overlap) and self._clip is not None)
         if overlap:
             self.overlap = InBackwardSteps(self._in_backward)
             for _, p, _ in _all_params(self.param_groups):
                 self.overlap.watch(p)
 
-    def _host_need(self, overlap: bool) -> HostNeed:
-        """The host memory this optimizer will allocate (at construction no state exists yet): each parameter's
-        moments and master and, when steps in backward may be redone (overlap with clipping), the copy of each
-        parameter's state before its step (the parameter, both moments and the master)."""
-        state_bytes = preserved = 0
-        for group, p, _ in _all_params(self.param_groups):
-            local = _local(p.detach())
-            master = self._uses_master(p, group)
-            moment_size = 4 if master else local.element_size()
-            own = local.numel() * (2 * moment_size + (4 if master else 0))
-            state_bytes += own
-            preserved += own + local.numel() * local.element_size()
-        blocks = [HostBlock("moments and masters", state_bytes, False)]
-        if overlap and self.max_grad_norm is not None:
-            blocks.append(HostBlock("state kept for a clipped redo", preserved, False))
-        return HostNeed(tuple(blocks))
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._clip.rule.max_norm if self._clip is not None else None
 
-    def _check_host_memory(self, overlap: bool) -> None:
-        """Refuse, before any state exists, what this host cannot hold (the kernel would kill the process in
-        the middle of a backward instead), naming the numbers and what needs less."""
-        need = self._host_need(overlap)
-        alternatives = []
-        if len(need.blocks) > 1:
-            alternatives = [Alternative("overlap=False (clipping after backward, nothing kept for a redo)",
-                                        need.blocks[0].nbytes),
-                            Alternative("max_grad_norm=None (no clipping)", need.blocks[0].nbytes)]
-        check_host_memory(need, available_host_bytes(), alternatives, who="CPUAdamW")
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (with max_grad_norm), before clipping."""
+        return self._clip.rule.last_grad_norm if self._clip is not None else None
+
+    @property
+    def last_clip_action(self) -> str | None:
+        """With max_grad_norm, what the last step did: "committed" / "redone" (steps in backward), else
+        "unclipped" / "clipped"."""
+        return self._clip.rule.last_clip_action if self._clip is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -207,7 +128,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if group["master_weights"] and group["stochastic_rounding"]:
             raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
         for p in group["params"]:
-            _check_param(p)
+            check_param(local(p.detach()))
         if self.overlap is not None:  # a group added after construction
             for p in group["params"]:
                 self.overlap.watch(p)
@@ -224,8 +145,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults, state and groups: a copy (deepcopy, pickle) would lose these
         # settings and fail at its first step. The in-backward hooks are made again for the copy's parameters.
-        return {**super().__getstate__(), "sr_seed": self.sr_seed, "max_grad_norm": self.max_grad_norm,
-                "last_grad_norm": self.last_grad_norm, "last_clip_action": self.last_clip_action,
+        return {**super().__getstate__(), "sr_seed": self.sr_seed, "_clip": self._clip,
                 "_overlapped": self.overlap is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -237,7 +157,7 @@ class CPUAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for key in ("master_weights", "stochastic_rounding"):
                 group.setdefault(key, self.defaults[key])
-        for name, value in (("_preserved", Preserved()), ("_sq", {}), ("_located", None), ("overlap", None)):
+        for name, value in (("_located", None), ("overlap", None)):
             self.__dict__.setdefault(name, value)
         if overlapped and self.overlap is None:
             self.overlap = InBackwardSteps(self._in_backward)
@@ -268,24 +188,12 @@ class CPUAdamW(torch.optim.Optimizer):
         stepped = list(_stepped(self.param_groups))
         if any(p.grad.is_sparse for _, p, _ in stepped):  # refused before any parameter is stepped
             raise RuntimeError("CPUAdamW does not support sparse gradients")
-        if self.max_grad_norm is None:
-            for group, p, stream in stepped:
-                if id(p) not in done:
-                    self._step_param(group, p, stream)
+        if self._clip is not None:
+            self._clip.step(stepped, done, self.state, self._step_param)
             return loss
-        sums = [self._sq.pop(id(p)) if id(p) in done else local_sq(p.grad) for _, p, _ in stepped]
-        self.last_grad_norm = global_norm(sums, [p for _, p, _ in stepped])
-        scale = clip_scale(self.last_grad_norm, self.max_grad_norm)
         for group, p, stream in stepped:
-            if id(p) in done and scale == 1.0:
-                continue  # its step in backward stands
-            if id(p) in done:
-                self._preserved.restore(p, self.state[p])
-            if scale < 1.0:
-                _local(p.grad).mul_(scale)
-            self._step_param(group, p, stream)
-        clipped = scale < 1.0
-        self.last_clip_action = ("redone" if done else "clipped") if clipped else ("committed" if done else "unclipped")
+            if id(p) not in done:
+                self._step_param(group, p, stream)
         return loss
 
     def _locate(self, p: torch.Tensor) -> tuple[dict[str, Any], int]:
@@ -304,9 +212,8 @@ class CPUAdamW(torch.optim.Optimizer):
     def _in_backward(self, p: torch.Tensor) -> None:
         """A step in backward; with clipping, the local sum of squares first and the state kept for a redo."""
         group, stream = self._locate(p)
-        if self.max_grad_norm is not None:
-            self._sq[id(p)] = local_sq(p.grad)
-            self._preserved.save(p, self._init_state(p, group))
+        if self._clip is not None:
+            self._clip.speculate(p, self._init_state(p, group))
         self._step_param(group, p, stream)
 
     @torch.no_grad()
@@ -319,11 +226,11 @@ class CPUAdamW(torch.optim.Optimizer):
         state["step"] += 1
         master = state.get("master_param")
         adamw_step(
-            _local(master if master is not None else p.detach()),
-            _local(p.grad.detach()).contiguous(),
-            _local(state["exp_avg"]),
-            _local(state["exp_avg_sq"]),
-            param_out=_local(p.detach()) if master is not None else None,
+            local(master if master is not None else p.detach()),
+            local(p.grad.detach()).contiguous(),
+            local(state["exp_avg"]),
+            local(state["exp_avg_sq"]),
+            param_out=local(p.detach()) if master is not None else None,
             lr=float(group["lr"]),
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -348,8 +255,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if self.overlap is not None:
             self.overlap.wait()
         if any(g["stochastic_rounding"] for g in self.param_groups):
-            _check_seed(state_dict, self.sr_seed, "CPUAdamW")
-        _check_loaded_groups(state_dict["param_groups"])
+            check_seed(state_dict, self.sr_seed, "CPUAdamW")
+        check_loaded_groups(state_dict["param_groups"])
         # torch casts every loaded state tensor to its parameter's dtype; master-weight states
         # must stay fp32, so they are restored from the originals afterwards.
         saved_groups = state_dict["param_groups"]
@@ -394,7 +301,7 @@ class StochasticAdamW(torch.optim.AdamW):
         return {**super().state_dict(), "sr_seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _check_seed(state_dict, self.seed, "StochasticAdamW")
+        check_seed(state_dict, self.seed, "StochasticAdamW")
         super().load_state_dict(state_dict)
 
     @torch.no_grad()

@@ -1,20 +1,28 @@
-"""CPUAdamW's gradient clipping: the global norm over every parameter (across ranks for FSDP2's shards, one
-all-reduce of the sum of squares), and the state a step in backward preserves so that it can be redone
-exactly once the norm says it must be clipped.
-
-The rule is the Offloader's: each parameter's squares summed in float64, the parameters' sums added in
-their optimizer order, the norm their square root, scale = min(1, max_norm / (norm + 1e-6)), each gradient
-multiplied by it in its own dtype (as clip_grad_norm_ does) before the step.
+"""CPUAdamW's gradient clipping, by offload_ext.optim.clipping's rule: the global norm over every parameter
+(across ranks for FSDP2's shards, one all-reduce of the sum of squares; each parameter's float64 sum added in
+optimizer order), and the state a step in backward preserves so that it can be redone exactly once the norm
+says it must be clipped.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
+
+from offload_ext.optim.clipping import Clipping, sq_sum
+
+# What a refused (non-finite) norm leaves: the optimizer as it was before the step, ready for the next one.
+_REFUSED = (" and the steps taken in backward are undone: zero_grad() and go on with the next batch, or lower "
+            "the lr")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel steps and the norm reads: a DTensor's local shard (its storage), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_clippable(params: Sequence[torch.Tensor]) -> None:
@@ -34,12 +42,11 @@ def check_clippable(params: Sequence[torch.Tensor]) -> None:
 
 def local_sq(grad: torch.Tensor) -> float:
     """The float64 sum of the squares of this rank's part of a gradient."""
-    g = grad.to_local() if isinstance(grad, DTensor) else grad
-    return float(torch.sum(torch.square(g.detach().to(torch.float64))))
+    return float(sq_sum(local(grad).detach()))
 
 
-def global_norm(sums: Sequence[float], params: Sequence[torch.Tensor]) -> float:
-    """The norm from each parameter's local sum (in optimizer order), summed over the ranks of the
+def global_sq(sums: Sequence[float], params: Sequence[torch.Tensor]) -> float:
+    """The sum of squares from each parameter's local sum (in optimizer order), summed over the ranks of the
     parameters' mesh when they are DTensors."""
     total = sum(sums, 0.0)
     sharded = next((p for p in params if isinstance(p, DTensor)), None)
@@ -49,11 +56,7 @@ def global_norm(sums: Sequence[float], params: Sequence[torch.Tensor]) -> float:
         t = torch.tensor([total], dtype=torch.float64, device=on)  # NCCL reduces device tensors only
         dist.all_reduce(t, group=group)
         total = float(t[0])
-    return math.sqrt(total)
-
-
-def clip_scale(norm: float, max_norm: float) -> float:
-    return min(1.0, max_norm / (norm + 1e-6))
+    return total
 
 
 class Preserved:
@@ -64,8 +67,8 @@ class Preserved:
 
     @staticmethod
     def _tensors(p: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        local = [p.detach(), state["exp_avg"], state["exp_avg_sq"], state.get("master_param")]
-        return [t.to_local() if isinstance(t, DTensor) else t for t in local if t is not None]
+        return [local(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"], state.get("master_param"))
+                if t is not None]
 
     def save(self, p: torch.Tensor, state: dict) -> None:
         tensors = self._tensors(p, state)
@@ -80,3 +83,54 @@ class Preserved:
         for t, c in zip(self._tensors(p, state), self._copies[id(p)]):
             t.copy_(c)
         state["step"] -= 1
+
+
+Stepped = Sequence[tuple[dict[str, Any], torch.Tensor, int]]  # (group, parameter, its stochastic rounding stream)
+
+
+class GlobalClip:
+    """CPUAdamW(max_grad_norm=...): a step in backward speculates (its parameter's local sum of squares taken
+    and the state before it kept); step() then takes the global norm, commits or redoes those steps, and steps
+    the other parameters with their gradients clipped."""
+
+    def __init__(self, max_norm: float) -> None:
+        if not max_norm > 0:
+            raise ValueError(f"CPUAdamW: max_grad_norm must be a positive number (or None: no clipping), got "
+                             f"{max_norm!r}")
+        self.rule = Clipping(max_norm, who="CPUAdamW", consequence=_REFUSED)
+        self._preserved = Preserved()
+        self._sq: dict[int, float] = {}  # id -> the local sum of squares a step in backward took
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"rule": self.rule}  # what a step in backward kept belongs to that step: a copy starts without it
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.rule, self._preserved, self._sq = state["rule"], Preserved(), {}
+
+    def speculate(self, p: torch.Tensor, state: dict) -> None:
+        """Before `p`'s step in backward (its state `state`): its sum of squares, and the state to redo it from."""
+        self._sq[id(p)] = local_sq(p.grad)
+        self._preserved.save(p, state)
+
+    def step(self, stepped: Stepped, done: set[int], states: Mapping[torch.Tensor, dict],
+             step_param: Callable[[dict[str, Any], torch.Tensor, int], None]) -> None:
+        """Clip and step the parameters that have a gradient (`stepped`, in optimizer order); those whose ids are
+        in `done` were stepped in backward."""
+        sums = [self._sq.pop(id(p)) if id(p) in done else local_sq(p.grad) for _, p, _ in stepped]
+
+        def undo() -> None:
+            for _, p, _ in stepped:
+                if id(p) in done:
+                    self._preserved.restore(p, states[p])
+
+        def clipped_step(scale: float) -> None:
+            for group, p, stream in stepped:
+                if id(p) in done and scale == 1.0:
+                    continue  # its step in backward stands
+                if id(p) in done:
+                    self._preserved.restore(p, states[p])
+                if scale < 1.0:
+                    local(p.grad).mul_(scale)
+                step_param(group, p, stream)
+
+        self.rule.step(global_sq(sums, [p for _, p, _ in stepped]), clipped_step, speculated=bool(done), undo=undo)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from offload_ext.optim.clipping import sq_sum
+
 
 @dataclass(frozen=True)
 class Hyper:
@@ -134,20 +136,26 @@ class Backend(ABC):
         step clips gradients) only accumulate the layers' gradients on the host."""
         self._first_micro, self._last_micro = first, last
 
+    def hold_speculation(self) -> None:
+        """Until clipped_step, no speculative step starts: each waits for the norm (offload_ext.optim.clipping
+        asks it after a step that was redone). A backend that does not speculate has none to hold."""
+
     def device_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | float:
         """The float64 sum of squares over gradients on the device (the parameters kept there), queued
         without a sync (the caller reads it after the host norms): clip_grad_norm_'s rule, squares summed
         in float64."""
         if not grads:
             return 0.0
-        return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+        return torch.stack([sq_sum(g) for g in grads]).sum()
 
     def grad_sq_norm(self) -> float:
         """Sum of squares of the accumulated gradients of the layers flushed since the first micro-batch."""
         raise NotImplementedError(f"{type(self).__name__} cannot clip gradients")
 
     def clipped_step(self, scale: float) -> None:
-        """Scale the accumulated gradients (rounded to bf16, as torch's clipping does) and step them."""
+        """The norm is known: the layers that waited for it step with their accumulated gradients scaled
+        (rounded to bf16, as torch's clipping does); speculative steps are committed (scale 1) or redone
+        exactly, clipped; the held ones are released."""
         raise NotImplementedError(f"{type(self).__name__} cannot clip gradients")
 
     @abstractmethod

@@ -8,13 +8,13 @@ the engine steps the lowest layer first, and each layer's next copy waits for it
 CPU work left over from backward overlaps the next forward. The engine steps a unit in slices and
 chooses again after each, so the lowest layer goes first even when a higher one has started.
 In bf16, gradients land in a small ring of pinned staging slots rather than one buffer per layer: a
-slot is reused only once the step that reads it is done, which halves the memory to page-lock.
+slot is reused only once the step that reads it is done, which halves the memory to page-lock. Clipping's
+engine side is native_clipping's; planning and reserving host memory, native_host's.
 """
 from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -22,9 +22,11 @@ import torch
 from offload_ext import ops
 from offload_ext._ext import native
 from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.backends.native_clipping import EngineClipping
+from offload_ext.engine.backends.native_host import fit, reserve
 from offload_ext.engine.device_redo import DeviceRedo
 from offload_ext.planning import host_sizes
-from offload_ext.planning.host_sizes import HostNeed, NativeHostPlan
+from offload_ext.planning.host_sizes import NativeHostPlan
 
 
 def default_engine_threads() -> int:
@@ -39,34 +41,22 @@ class NativeBackend(Backend):
                  accumulate: bool = False, async_step: bool = True, slice_elements: int | None = None,
                  speculative_units: frozenset[int] = frozenset(),
                  grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
-                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0, params_first: bool = True,
-                 **_: Any) -> None:
+                 device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0,
+                 params_first: bool = True) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if precision == "bf16-sr" else None
-        # Clipping: these units (given second buffers) step as their gradients land and are redone exactly
-        # if the norm clips; the others wait for the norm. After a step that clipped, their steps are held
-        # until the norm (begin_micro). prepare() drops the lowest of them when host memory cannot hold their
-        # second buffers.
-        self._speculative_units = speculative_units
-        self._speculating = speculative_units  # this step's
-        # Clipping triggered: these units' redos run on the device (offload_ext.engine.device_redo); plan() keeps those
-        # that speculate.
-        self._device_redo_units = device_redo_units
+        ext = native()
+        self._direction, self._jobs = ext.Direction, ext.Job
+        # Clipping: which units speculate (plan() drops the lowest of them when host memory cannot hold their
+        # second buffers) and whose redos run on the device (plan() keeps those that speculate).
+        self._clip = EngineClipping(ext.Job, speculative_units, device_redo_units, grad_accum)
         self._device_redo: DeviceRedo | None = None  # prepare()
         self._groups: list[tuple[tuple[int, int, int], ...]] = []  # per unit: (group, begin, end)
         self._hypers: list[Hyper] = []  # this step's, per group
-        self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
-        self._redone_last = False
-        self.speculative = bool(speculative_units)
-        # Speculative clipping of single micro-batches: each unit's gradient lands in a pinned buffer of its
-        # own, kept (as its accum) until the norm decides between the step standing and a redo.
-        self._keep_grads = self.speculative and grad_accum == 1
         self._grad_accum = grad_accum
         self._kept_layers = kept_layers  # some layers run without recompute: one gradient slot per layer
         self.asynchronous = async_step
-        ext = native()
-        self._direction, self._jobs = ext.Direction, ext.Job
         if device.type == "cuda" and not ext.native_info()["cuda"]:
             raise RuntimeError("Offloader: this offload_ext build has no CUDA support (built CPU-only: see "
                                "offload_ext.build_info()); reinstall with a CUDA toolkit, or use backend='python'")
@@ -92,92 +82,66 @@ class NativeBackend(Backend):
         """Choose the gradient slots and the slicing, then check host memory for the plan, speculating as
         high up as it fits; nothing is allocated."""
         planned = NativeHostPlan.choose(self.precision, tuple(sizes), tuple(own_grads), grad_slots=self._grad_slots,
-                                        accumulate=self.accumulate, speculative_units=self._speculative_units,
+                                        accumulate=self.accumulate, speculative_units=self._clip.units,
                                         grad_accum=self._grad_accum, kept_layers=self._kept_layers,
-                                        device_redo_units=self._device_redo_units)
+                                        device_redo_units=self._clip.device_redo_units)
         self._grad_slots = planned.grad_slots
         self._slot_owner = [None] * self._grad_slots
-        if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self.speculative):
+        if self._slice_elements is None and (0 < self._grad_slots < len(sizes) or self._clip.speculative):
             # The engine steps units in slices so that a lower layer can overtake one already started.
             # An overtaken unit keeps its staging slot meanwhile, and with a ring shared by several
             # layers the layer that reuses the slot would wait in backward: step whole units instead,
             # unless the caller chose the slice (slice_elements). Speculative steps too: a redo must let a
             # started one finish first, while one not started becomes the clipped step itself, and with
-            # slices every lower layer landing starts one more (B1 clipping every step, run 23: all 16
-            # had started when backward ended).
+            # slices every lower layer landing starts one more (B1 clipping every step: all 16 had started
+            # when backward ended).
             self._engine.set_slice_elements(1 << 62)
         before = host_sizes.available_host_bytes()
-        self._adopt(planned.fitted(before), planned)
+        self._adopt(fit(planned, before))
         host_sizes.check_host_memory(self._host_plan.need(), before, self._host_plan.alternatives())
         self._before = before
 
-    def _adopt(self, fitted: NativeHostPlan, planned: NativeHostPlan) -> None:
-        """Take the plan that host memory holds; say when it speculates on fewer units than asked."""
-        kept, asked = len(fitted.speculative_units), len(planned.speculative_units)
-        if kept < asked:
-            dropped = sorted(planned.speculative_units - fitted.speculative_units)
-            warnings.warn(f"Offloader: host memory holds second buffers for {kept} of {asked} speculative units; "
-                          f"units {dropped[0]}-{dropped[-1]} wait for the norm under clipping", stacklevel=4)
-        self._host_plan = fitted
-        self._speculative_units = fitted.speculative_units
-        self._device_redo_units = fitted.device_redo_units
-        self._speculating = self._speculative_units
+    def _adopt(self, plan: NativeHostPlan) -> None:
+        self._host_plan = plan
+        self._clip.adopt(plan)
 
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """Page-lock all pinned memory at once (slabs in parallel): layer params and the grad ring."""
         if self._host_plan is None:
             self.plan(sizes, own_grads)
-        self._reserve()
+        try:
+            self._adopt(reserve(self._engine, self._host_plan, self._before))
+        except MemoryError:
+            self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
+            raise
         largest = max(t for _, t in sizes)
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
-        if self._device_redo_units:
+        redo_units = self._clip.device_redo_units
+        if redo_units:
             state = torch.float32 if self.precision == "mixed" else torch.bfloat16
-            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in self._device_redo_units), state)
-
-    def _reserve(self) -> None:
-        """Page-lock the planned pinned blocks, then check the pageable part against what is left."""
-        pinned, before = self._host_plan.pinned_blocks(), self._before
-        self._engine.reserve_pinned_blocks([b.nbytes for b in pinned])
-        # Page-locking may take more of the machine than the bytes locked (a sandbox's own accounting): the
-        # pageable part is checked again against what is left, before any of it is allocated. (A unit
-        # trimmed here leaves its page-locked second params unused: they are reserved already.)
-        after = host_sizes.available_host_bytes()
-        if before is not None and after is not None:
-            locked = sum(b.nbytes for b in pinned)
-            cost = f"page-locking {locked / 1e9:.1f} GB took {(before - after) / 1e9:.1f} GB of available memory"
-            self._adopt(self._host_plan.fitted(after, pinned=False), self._host_plan)
-            try:
-                pageable = HostNeed(tuple(self._host_plan.pageable_blocks()))
-                released = f"{cost}, and the pinned memory is released again"
-                host_sizes.check_host_memory(pageable, after, pinning=released)
-            except MemoryError:
-                self._engine = None  # its pools (nothing but the pinned slabs yet) go with it
-                raise
-        # Faulted in now, on the set-up threads: a first write inside a host step costs several times the
-        # step (B2 speculative steps whose second buffers were fresh: 150 ms against 30, run 33).
-        self._engine.reserve_host_blocks([b.nbytes for b in self._host_plan.pageable_blocks()])
+            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in redo_units), state)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
         e = self._engine
         params = e.pinned_empty(numel, torch.bfloat16)
-        if own_grads or self._keep_grads:
+        if own_grads or self._clip.keep_grads:
             self._own_grads.add(self._count)
             grads = e.pinned_empty(max(1, trainable), torch.bfloat16)[:trainable]
         else:
             grads = self._ring[self._count % self._grad_slots][:trainable]
         state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
         # A unit redone on the device has its state page-locked: the device copies it in and out.
-        redo = self._count in self._device_redo_units
+        redo = self._count in self._clip.device_redo_units
         zeros, empty = (self._pinned_zeros, e.pinned_empty) if redo else (e.host_zeros, e.host_empty)
         exp_avg = zeros(trainable, state_dtype)
         exp_avg_sq = zeros(trainable, state_dtype)
         master_buf = empty(trainable, torch.float32) if self.precision == "mixed" else None
-        accum = grads if self._keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
+        accum = grads if self._clip.keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
         # Speculative clipping: a step writes into the second buffers and leaves the state before it intact.
         alt: tuple[torch.Tensor, ...] = ()
-        if self._count in self._speculative_units:
+        if self._count in self._clip.units:
             # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
             first = zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
             alt = (first, zeros(trainable, state_dtype), zeros(trainable, state_dtype))
@@ -195,7 +159,7 @@ class NativeBackend(Backend):
 
     @property
     def device_redo_units(self) -> frozenset[int]:
-        return self._device_redo_units
+        return self._clip.device_redo_units
 
     def _pinned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._engine.pinned_empty(numel, dtype).zero_()
@@ -217,38 +181,28 @@ class NativeBackend(Backend):
     def _job(self, index: int) -> Any:
         """The engine Job a landed gradient copy of unit `index` triggers (with speculation and a host
         norm, a SPECULATIVE_STEP follows it)."""
-        jobs = self._jobs
-        if self.speculative and self._last_micro:
-            if self._device_norm(index):
-                return jobs.SPECULATIVE_STEP
-            return jobs.NORM if self._keep_grads else jobs.ACCUMULATE_NORM
+        jobs, clipping = self._jobs, self._clip.job(index, self._last_micro)
+        if clipping is not None:
+            return clipping
         if not self.accumulate:
             return jobs.STEP
         if self._first_micro:
             return jobs.ACCUMULATE_FIRST
         return jobs.ACCUMULATE_STEP if self._last_micro else jobs.ACCUMULATE
 
-    def _device_norm(self, index: int) -> bool:
-        """Whether unit `index`'s norm is taken on the device, from the gradient about to be copied: a single
-        micro-batch's gradient of a unit that speculates (a sum over micro-batches exists on the host only;
-        a unit that waits for the norm has its host NORM job mark its landing)."""
-        return self._keep_grads and self._last_micro and index in self._speculating
-
     def begin_micro(self, first: bool, last: bool) -> None:
         super().begin_micro(first, last)
         if first:
             self._flushed.clear()
-            self._device_sq.clear()
-            self._speculating = self._speculative_units
-            if self._redone_last and self.speculative:
-                # Clipping tends to trigger again: no speculative step runs in backward, where it would be
-                # wasted host work. Each is held until the norm, then steps once in place, clipped or not, or is
-                # dropped for a redo on the device. Their norms are still taken on the device.
-                self._engine.hold_speculation()
+            self._clip.begin()
+
+    def hold_speculation(self) -> None:
+        # Each held step then steps once in place, clipped or not, or is dropped for a redo on the device.
+        self._clip.hold(self._engine)
 
     def device_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | float:
         # sum_squares reads a bf16 gradient once; torch's float64 path copies it to float64, squares and sums
-        # (2.5 ms at the end of each B1 step with clipping, run 33, against ~0.2 ms). Other dtypes take it.
+        # (2.5 ms at the end of each B1 step with clipping, against ~0.2 ms). Other dtypes take it.
         fast, other = [], []
         for g in grads:
             (fast if g.dtype == torch.bfloat16 and g.is_contiguous() else other).append(g)
@@ -256,35 +210,10 @@ class NativeBackend(Backend):
         return torch.stack([ops.sum_squares(g) for g in fast]).sum() + rest if fast else rest
 
     def grad_sq_norm(self) -> float:
-        units = sorted(self._flushed)
-        if self.speculative:
-            # Each unit's norm came with its last gradients, ahead of its speculative step; the norms of
-            # copies still in flight are announced already, so this waits for them too.
-            self._engine.wait_norms()
-            host = sum(self._engine.sq_norm(u) for u in units if u not in self._device_sq)
-            device = float(torch.stack(list(self._device_sq.values())).sum()) if self._device_sq else 0.0
-            return host + device
-        # The last gradient copies may still be in flight: their accumulate jobs are queued only when
-        # they land, and a norm job queued before them would read last micro-batch's sum.
-        self._engine.wait_all()
-        for u in units:
-            self._engine.run(u, self._jobs.NORM)
-        self._engine.wait_all()
-        return sum(self._engine.sq_norm(u) for u in units)
+        return self._clip.sq_norm(self._engine, self._flushed)
 
     def clipped_step(self, scale: float) -> None:
-        on_device = self._device_redo_units & self._speculating & self._flushed if scale != 1.0 else frozenset()
-        for i in sorted(self._flushed):
-            if i not in self._speculating:  # it waited for the norm: its one step, clipped or not
-                self._engine.run(i, self._jobs.SCALE_STEP, scale)
-            elif scale != 1.0 and i not in on_device:  # clipping triggered: redo every speculative step exactly,
-                self._engine.redo(i, scale)            # the lowest unit first
-        for i in sorted(on_device):  # the lowest first: the next forward reaches them in that order
-            self._redo_on_device(i, scale)
-        # Held since the norm was known: speculative steps not yet started now step in place (clipped
-        # ones became scaled steps in redo()).
-        self._engine.release_speculation()
-        self._redone_last = scale != 1.0
+        self._clip.step(self._engine, self._flushed, scale, self._redo_on_device)
         if not self.asynchronous:
             self._engine.wait_all()
 
@@ -308,7 +237,7 @@ class NativeBackend(Backend):
 
     def flush_grads(self, index: int, layer: LayerBuffers, src: torch.Tensor) -> Any:
         self._wait_device_redo(index)  # its redo may still read the kept gradient this copy overwrites
-        if self._keep_grads:  # so may its last step's moments pass, which the forward did not wait for
+        if self._clip.keep_grads:  # so may its last step's moments pass, which the forward did not wait for
             self._engine.wait_unit(index, reason=f"u{index}'s moments pass, before its gradients land where it reads")
         slot = None if index in self._own_grads else index % self._grad_slots
         owner = self._slot_owner[slot] if slot is not None else index
@@ -316,18 +245,18 @@ class NativeBackend(Backend):
             # Its step still reads this slot (the wait releases the GIL).
             reason = f"u{owner}'s host step, before u{index}'s gradients reuse its slot"
             self._engine.wait_unit(owner, reason=reason)
-        elif not self._keep_grads:
+        elif not self._clip.keep_grads:
             # The unit's own last job may still read the slot: an accumulate job of the micro-batch before, when
             # the layer stayed on the device (no load() in between waited for it). Its params are what the job
             # reads last; a trailing moments pass reads the accumulator, not the slot.
             self._engine.wait_unit(index, reason=f"u{index}'s last host job, before its next gradients land where "
                                    "it reads", params_only=True)
         job = self._job(index)
-        device_norm = self._device_norm(index)
-        if device_norm:  # on the stream that produced src, before the copy: no host pass over it
-            self._device_sq[index] = ops.sum_squares(src)
+        device_norm = self._clip.device_norm(index, self._last_micro)
+        if device_norm:
+            self._clip.take_device_norm(index, src)
         event = self._engine.copy(self._direction.D2H, layer.grads, src, notify_unit=index, job=job,
-                                  then_step=self._last_micro and index in self._speculating and not device_norm)
+                                  then_step=self._clip.then_step(index, self._last_micro, device_norm))
         # Only a copy that was enqueued counts: one that raised leaves the bookkeeping as it was.
         if slot is not None:
             self._slot_owner[slot] = index

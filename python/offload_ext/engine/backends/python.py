@@ -5,135 +5,32 @@ used before it has landed (in forward and in activation-checkpointing recompute 
 runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
 land, so the first layers are stepped while the GPU finishes backward ("bf16-sr": the same in
 stochastic_rounding's torch ops, the native kernel's reference). On the simulated device, copies run
-on one worker thread per direction and events are futures.
-
-Pinned buffers come from one host allocation, faulted in by torch's threads and then page-locked with a
-single cudaHostRegister: torch's pin_memory would round each layer's buffer up to a power of two and
-page-lock it in the driver page by page (2-3 s for B1's 4 GB).
+on one worker thread per direction and events are futures (torch_copies); pinned buffers come from one
+page-locked arena (pinned_arena).
 """
 from __future__ import annotations
 
 import random
 import time
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.backends.pinned_arena import PinnedArena
+from offload_ext.engine.backends.torch_copies import CudaCopies, ThreadCopies
 from offload_ext.engine.timeline import Timeline, span
+from offload_ext.optim.clipping import sq_sum
 from offload_ext.optim.stochastic_rounding import adamw_step_sr
 from offload_ext.planning import host_sizes
-from offload_ext.planning.host_sizes import (
-    PYTHON_ALIGN,
-    HostNeed,
-    aligned,
-    python_alternatives,
-    python_arena_elements,
-    python_host_need,
-)
-
-
-class _CudaCopies:
-    _CYCLES_PER_US = 1000  # torch.cuda._sleep spins for GPU clock cycles: about one per ns
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.h2d = torch.cuda.Stream(device)
-        self.d2h = torch.cuda.Stream(device)
-
-    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
-             stall_us: int = 0, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            if stall_us:
-                torch.cuda._sleep(stall_us * self._CYCLES_PER_US)
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
-
-    def compute_wait(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
-
-    @staticmethod
-    def host_wait(event: torch.cuda.Event) -> None:
-        event.synchronize()
-
-
-class _ThreadCopies:
-    """Simulated device: compute is the calling thread; each direction is an in-order worker."""
-
-    def __init__(self) -> None:
-        self.h2d = ThreadPoolExecutor(1, thread_name_prefix="offload-h2d")
-        self.d2h = ThreadPoolExecutor(1, thread_name_prefix="offload-d2h")
-
-    def copy(self, stream: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor, stall_us: int = 0,
-             after: None = None) -> Future:
-        if not stall_us:
-            return stream.submit(dst.copy_, src)
-
-        def stalled() -> None:
-            time.sleep(stall_us / 1e6)
-            dst.copy_(src)
-
-        return stream.submit(stalled)
-
-    def compute_wait(self, event: Future) -> None:
-        event.result()
-
-    host_wait = compute_wait
-
-
-class _PinnedArena:
-    """Views into one host tensor, page-locked as a whole on CUDA (plain memory on the simulated device)."""
-
-    ALIGN = PYTHON_ALIGN
-
-    def __init__(self, numel: int, dtype: torch.dtype, lock: bool) -> None:
-        self.tensor = torch.empty(numel + self.ALIGN, dtype=dtype)  # slack to start on a page
-        self.tensor.zero_()  # faults the pages in on torch's threads, before the driver locks them
-        self._used = (-self.tensor.data_ptr() % 4096) // self.tensor.element_size()
-        self._unlock = None
-        if lock:
-            cudart = torch.cuda.cudart()
-            ptr = self.tensor.data_ptr()
-            err = cudart.cudaHostRegister(ptr, self.tensor.nbytes, 0)
-            if err != cudart.cudaError.success:
-                raise RuntimeError(f"Offloader (python backend): cudaHostRegister of {self.tensor.nbytes / 2**30:.2f} "
-                                   f"GiB failed: {cudart.cudaGetErrorString(err)}; free host memory or raise the "
-                                   "locked-memory limit (ulimit -l)")
-            self._unlock = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
-
-    @classmethod
-    def footprint(cls, numel: int) -> int:
-        return aligned(numel, cls.ALIGN)
-
-    def take(self, numel: int) -> torch.Tensor:
-        """The next `numel` elements (the arena is sized in prepare() for every buffer to come)."""
-        end = self._used + self.footprint(numel)
-        if end > self.tensor.numel():
-            raise RuntimeError(f"Offloader (python backend): the pinned arena has no room for {numel} more "
-                               "elements; prepare() was told fewer or smaller layers than new_layer() asks for")
-        view = self.tensor[self._used:self._used + numel]
-        self._used = end
-        return view
-
-    def release(self) -> None:
-        if self._unlock is not None:
-            self._unlock()
+from offload_ext.planning.host_sizes import HostNeed, python_alternatives, python_arena_elements, python_host_need
 
 
 class PythonBackend(Backend):
-    def __init__(self, device: torch.device, precision: str, accumulate: bool = False, sr_seed: int = 0,
-                 **_: Any) -> None:
+    def __init__(self, device: torch.device, precision: str, *, accumulate: bool = False, sr_seed: int = 0) -> None:
         super().__init__(device, precision, accumulate)
         self._sr_seed = sr_seed
-        self._copies = _CudaCopies(device) if device.type == "cuda" else _ThreadCopies()
+        self._copies = CudaCopies(device) if device.type == "cuda" else ThreadCopies()
         self._pin = device.type == "cuda"
         self._layers: list[LayerBuffers] = []
         # What torch's AdamW steps: per layer, (group, parameter, begin, end) for each group range.
@@ -146,7 +43,7 @@ class PythonBackend(Backend):
         self._hypers: list[Hyper] = []
         self._timeline: Timeline | None = None  # while tracing: its own host steps and waits
         self._torch_groups: list[int] = []
-        self._arena: _PinnedArena | None = None
+        self._arena: PinnedArena | None = None
         self._copy_delay_us = 0  # testing aids: see Backend
         self._fail_next_copy = False
         self._fail_next_step = False
@@ -162,7 +59,7 @@ class PythonBackend(Backend):
     def prepare(self, sizes: list[tuple[int, int]], own_grads: list[tuple[int, int]] = ()) -> None:
         """One pinned arena for every layer's params and grads."""
         elements = python_arena_elements(tuple(sizes), tuple(own_grads))
-        self._arena = _PinnedArena(elements, torch.bfloat16, self._pin)
+        self._arena = PinnedArena(elements, torch.bfloat16, self._pin)
 
     def _pinned(self, numel: int) -> torch.Tensor:
         assert self._arena is not None, "prepare() was not called"
@@ -239,7 +136,7 @@ class PythonBackend(Backend):
             self._accumulated.clear()
 
     def grad_sq_norm(self) -> float:
-        return sum(float(self._layers[i].accum.double().pow(2).sum()) for i in sorted(self._accumulated))
+        return sum(float(sq_sum(self._layers[i].accum)) for i in sorted(self._accumulated))
 
     def clipped_step(self, scale: float) -> None:
         for i in self._accumulated:
