@@ -4,7 +4,7 @@ stepping each shard in backward, beside GPU-resident FSDP2; per-step time, tok/s
 Run under torchrun (one process per GPU; `--device cpu` runs gloo processes on the CPU, a smoke run of the
 script whose timings mean nothing). The model (Llama, B2 = Llama-3.1-8B's shape by default, random weights)
 is built on the meta device, each decoder layer and the root fully_shard'ed, and each rank's shards are
-filled by offload_ext.models.fsdp_shards.materialize_shards with bench_train's weights (pre-drawn random blocks, by
+filled by offload_ext.materialize_shards with bench_train's weights (pre-drawn random blocks, by
 parameter name): no rank ever holds the unsharded model. Every mode: bf16 parameters, activation
 checkpointing of every layer, HF's own loss (through the root module's forward, which FSDP2 hooks), AdamW
 betas (0.9, 0.999), eps 1e-8, no weight decay; `-clip` adds clipping at max_grad_norm 1.0 (torch:
@@ -35,9 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 import offload_ext
 from _common import HostMemoryLog, write_results
 from bench_train import TiledWeights
-from offload_ext.engine.layers import enable_activation_checkpointing
-from offload_ext.models.fsdp_shards import materialize_shards
-from offload_ext.models.weights import parameters_on_meta
+from offload_ext import enable_activation_checkpointing, materialize_shards, parameters_on_meta
 
 SHAPE = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=2, seq=4096)
 BETAS, EPS, MAX_NORM = (0.9, 0.999), 1e-8, 1.0

@@ -74,10 +74,10 @@ def main() -> None:
     # logits (the fallback), side by side; the chain uses the native one.
     for backend in ("native", "torch"):
         def loss(backend: str = backend) -> torch.Tensor:
-            return offload_ext.causal_lm_loss(model, tokens, backend=backend)
+            return offload_ext.causal_lm_loss(model, tokens, kernel=backend)
 
         def head_loss(backend: str = backend) -> torch.Tensor:
-            return offload_ext.lm_head_loss(head, hidden, tokens, backend=backend)
+            return offload_ext.lm_head_loss(head, hidden, tokens, kernel=backend)
 
         parts[f"forward (whole model, with the loss), {backend} loss"] = gpu_seconds(loss, steps, warmup)
         parts[f"step (forward + backward, GPU-resident, no optimizer), {backend} loss"] = gpu_seconds(

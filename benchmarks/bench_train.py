@@ -70,7 +70,6 @@ from offload_ext.engine.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Time
 from offload_ext.models.init_weights import tile_random
 from offload_ext.models.lora import add_lora
 from offload_ext.models.weight_source import filled_on, materialize
-from offload_ext.models.weights import parameters_on_meta
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -246,7 +245,7 @@ def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
                      rope_theta=1e6 if a.arch == "qwen2" else 500000.0, use_cache=False)
-    with parameters_on_meta():
+    with offload_ext.parameters_on_meta():
         model = model_cls(cfg)
     return model, TiledWeights(model, cfg.initializer_range)
 

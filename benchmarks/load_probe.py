@@ -29,8 +29,9 @@ def write_random_checkpoint(config: Any, path: str, std: float = 0.02, seed: int
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from offload_ext import parameters_on_meta
     from offload_ext.models.init_weights import tile_random
-    from offload_ext.models.weights import dtype_keyword, parameters_on_meta
+    from offload_ext.models.weights import dtype_keyword
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): torch.bfloat16})
@@ -70,8 +71,7 @@ def _status_bytes(key: str) -> int:
 def _child(path: str, via: str, precision: str, device: str, step: str | None) -> dict[str, Any]:
     import transformers  # before the baseline: every load path needs it
 
-    from offload_ext.engine.layers import enable_activation_checkpointing
-    from offload_ext.engine.offloader import Offloader
+    from offload_ext import Offloader, enable_activation_checkpointing
     from offload_ext.models.weights import dtype_keyword
 
     t0 = time.perf_counter()

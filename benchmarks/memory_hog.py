@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload_ext import ops
+import offload_ext
 
 
 def copy_load(threads: int, gib: float) -> tuple[Callable[[], object], int]:
@@ -30,10 +30,10 @@ def copy_load(threads: int, gib: float) -> tuple[Callable[[], object], int]:
 
 def adamw_load(threads: int, gib: float) -> tuple[Callable[[], object], int]:
     """(one pass, bytes it moves): the engine's bf16 AdamW step over `gib` of parameters, in its pinned pool."""
-    ops.set_num_threads(threads, pin=True)
+    offload_ext.set_num_threads(threads, pin=True)
     n = int(gib * (1 << 30)) // 2
     param, grad, m, v = (torch.full((n,), 1e-3, dtype=torch.bfloat16) for _ in range(4))
-    step = ops.adamw_step
+    step = offload_ext.adamw_step
     return (lambda: step(param, grad, m, v, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                          step=10)), n * 2 * 7  # reads four bf16 arrays, writes three
 

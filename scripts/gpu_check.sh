@@ -112,7 +112,7 @@ for step in "${steps[@]}"; do
     loss-curves)  # the default run with each loss backend and chunk size: how far rounding alone moves the curve
       export OFFLOAD_TRAIN_NO_BAR=1
       for variant in torch-2048 torch-4096 native-2048 native-4096; do
-        run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --overwrite --loss-backend "${variant%-*}" \
+        run "loss_${variant}" offload-train --out "/tmp/run_loss_${variant}" --overwrite --loss-kernel "${variant%-*}" \
           --loss-chunk-tokens "${variant#*-}"
         cp "/tmp/run_loss_${variant}/metrics.jsonl" "$OUT/metrics_loss_${variant}.jsonl"
       done

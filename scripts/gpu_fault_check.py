@@ -45,7 +45,7 @@ def small_llama() -> nn.Module:
 
 def loss_of(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, how: str) -> torch.Tensor:
     if how == "native":
-        return offload_ext.causal_lm_loss(model, ids, labels, backend="native")
+        return offload_ext.causal_lm_loss(model, ids, labels, kernel="native")
     return model(input_ids=ids, labels=labels).loss  # F.cross_entropy: torch's kernel asserts on the label
 
 

@@ -18,6 +18,16 @@ def pytest_configure(config) -> None:
     os.environ["OFFLOAD_EXT_CACHE"] = config.offload_ext_cache
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    # The one CUDA marker (pytest.mark.gpu, declared in pyproject.toml): without a CUDA device its tests skip.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(getattr(config, "offload_ext_cache", ""), ignore_errors=True)
 

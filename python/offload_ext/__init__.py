@@ -7,7 +7,9 @@ from offload_ext.config import EngineTuning, OffloadConfig
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.engine.offloader import Offloader
 from offload_ext.models import stacks
+from offload_ext.models.fsdp_shards import materialize_shards
 from offload_ext.models.losses import causal_lm_loss, lm_head_loss
+from offload_ext.models.weights import parameters_on_meta
 from offload_ext.ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
 from offload_ext.optim.cpu_adamw import CPUAdamW, StochasticAdamW
 from offload_ext.planning.plan import MemoryPlan, plan
@@ -25,6 +27,8 @@ __all__ = [
     "causal_lm_loss",
     "enable_activation_checkpointing",
     "lm_head_loss",
+    "materialize_shards",
+    "parameters_on_meta",
     "EngineTuning",
     "MemoryPlan",
     "OffloadConfig",

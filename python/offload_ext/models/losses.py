@@ -4,7 +4,7 @@ The vocabulary projection and cross-entropy run in chunks of tokens. Every chunk
 checkpointed, so one chunk of logits exists at a time; the last one is computed last in the forward
 and first in the backward, so keeping it costs no memory and saves its recompute. On CUDA the
 cross-entropy is the extension's fused kernels, one pass over the logits in their own dtype each way
-(backend "native"); elsewhere, or without a CUDA build, F.cross_entropy on fp32 logits (backend
+(kernel "native"); elsewhere, or without a CUDA build, F.cross_entropy on fp32 logits (kernel
 "torch"; on the CPU it is faster than the extension's plain C++ loops). Same value as the model's own
 loss.
 """
@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from offload_ext import _ext, ops
 
 IGNORE_INDEX = -100
-BACKENDS = ("auto", "native", "torch")
+KERNELS = ("auto", "native", "torch")
 
 
 def _native_kernels_for(device: torch.device) -> bool:
@@ -27,17 +27,17 @@ def _native_kernels_for(device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("offload_ext::cross_entropy_rows", device.type.upper())
 
 
-def resolve_loss_backend(backend: str, device: torch.device) -> str:
-    """The cross-entropy `backend` ("auto", "native" or "torch") means for tensors on `device`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"lm_head_loss: backend must be one of {BACKENDS}, got {backend!r}")
+def resolve_loss_kernel(kernel: str, device: torch.device) -> str:
+    """The cross-entropy `kernel` ("auto", "native" or "torch") means for tensors on `device`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"lm_head_loss: kernel must be one of {KERNELS}, got {kernel!r}")
     native = _native_kernels_for(device)
-    if backend == "native" and not native:
+    if kernel == "native" and not native:
         raise RuntimeError(
-            f"lm_head_loss: backend='native' needs the extension's cross-entropy kernels for {device.type} "
+            f"lm_head_loss: kernel='native' needs the extension's cross-entropy kernels for {device.type} "
             f"(extension: {'loaded' if _ext.available() else _ext.error()}; a CUDA build is needed for CUDA "
-            "tensors). Use backend='auto' or 'torch'.")
-    return "native" if backend == "native" or (backend == "auto" and native and device.type == "cuda") else "torch"
+            "tensors). Use kernel='auto' or 'torch'.")
+    return "native" if kernel == "native" or (kernel == "auto" and native and device.type == "cuda") else "torch"
 
 
 def _native_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -51,23 +51,23 @@ def _torch_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                   chunk_tokens: int = 4096, backend: str = "auto") -> torch.Tensor:
+                   chunk_tokens: int = 4096, kernel: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of predicting labels[:, 1:] (default: input_ids) from an HF causal LM."""
     hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
     return lm_head_loss(model.get_output_embeddings(), hidden, input_ids if labels is None else labels,
-                        chunk_tokens, backend)
+                        chunk_tokens, kernel)
 
 
 def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096,
-                 backend: str = "auto") -> torch.Tensor:
+                 kernel: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of head(hidden[:, :-1]) against labels[:, 1:] (-100 ignored), in chunks of tokens.
 
-    backend: "native" (the extension's fused kernels), "torch" (F.cross_entropy on fp32 logits) or
+    kernel: "native" (the extension's fused kernels), "torch" (F.cross_entropy on fp32 logits) or
     "auto" (native on CUDA when the extension was built with CUDA, else torch).
     """
     if chunk_tokens < 1:
         raise ValueError(f"lm_head_loss: chunk_tokens must be at least 1, got {chunk_tokens}")
-    chunk_loss = _native_chunk_loss if resolve_loss_backend(backend, hidden.device) == "native" else _torch_chunk_loss
+    chunk_loss = _native_chunk_loss if resolve_loss_kernel(kernel, hidden.device) == "native" else _torch_chunk_loss
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)

@@ -24,11 +24,11 @@ class Settings:
     batch_size: int | None = None
     seq_len: int | None = None
     loss_chunk_tokens: int = 4096
-    loss_backend: str = "auto"
+    loss_kernel: str = "auto"
 
     def with_changes(self, **change: Any) -> Settings:
         """These settings with `change` applied: the batch's fields here, any other the config's."""
-        batch = {k: v for k, v in change.items() if k in ("batch_size", "seq_len", "loss_chunk_tokens", "loss_backend")}
+        batch = {k: v for k, v in change.items() if k in ("batch_size", "seq_len", "loss_chunk_tokens", "loss_kernel")}
         rest = {k: v for k, v in change.items() if k not in batch}
         return dataclasses.replace(self, config=self.config.replace(**rest) if rest else self.config, **batch)
 

@@ -109,9 +109,9 @@ class Evaluation:
 
 
 def _native_loss(settings: Settings, machine: Machine) -> bool:
-    """Whether the loss's cross-entropy is the extension's: "auto" picks it on CUDA (losses.resolve_loss_backend;
+    """Whether the loss's cross-entropy is the extension's: "auto" picks it on CUDA (losses.resolve_loss_kernel;
     a CUDA device planned from elsewhere is taken to have the CUDA build)."""
-    return settings.loss_backend == "native" or (settings.loss_backend == "auto" and machine.cuda)
+    return settings.loss_kernel == "native" or (settings.loss_kernel == "auto" and machine.cuda)
 
 
 def evaluate(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf = lambda p: 0,

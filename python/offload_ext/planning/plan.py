@@ -341,14 +341,14 @@ def _model_of(model_or_config: Any, lora_r: int | None, lora_alpha: float | None
 
 
 def plan(model_or_config: Any, config: OffloadConfig | None = None, *, batch_size: int | None = None,
-         seq_len: int | None = None, loss_chunk_tokens: int = 4096, loss_backend: str = "auto",
+         seq_len: int | None = None, loss_chunk_tokens: int = 4096, loss_kernel: str = "auto",
          lora_r: int | None = None, lora_alpha: float | None = None,
          lora_targets: Sequence[str] = ("q_proj", "v_proj"), host_memory: int | str | None = None,
          gpu_memory: int | str | None = None, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.999),
          eps: float = 1e-8, weight_decay: float = 0.0, groups: Sequence[dict[str, Any]] | None = None,
          no_decay: Sequence[str] = (), weights: Any = None, **options: Any) -> MemoryPlan:
     """The memory plan of `Offloader(model, config=config, **options)`, trained on micro-batches of
-    `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens, backend=loss_backend).
+    `batch_size` x `seq_len` tokens with causal_lm_loss(chunk_tokens=loss_chunk_tokens, kernel=loss_kernel).
     `model_or_config`: a module (real or on the meta device; a peft model for LoRA), a transformers config,
     or a config's directory or hub id (built on the meta device, with LoRA adapters of rank `lora_r` on
     `lora_targets`). The optimizer's arguments are checked as the Offloader checks them, so the same keywords
@@ -361,7 +361,7 @@ def plan(model_or_config: Any, config: OffloadConfig | None = None, *, batch_siz
     model = _model_of(model_or_config, lora_r, lora_alpha, lora_targets)
     _, group_of = build_groups(model, groups, no_decay)
     settings = Settings(cfg, batch_size=batch_size, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens,
-                        loss_backend=loss_backend)
+                        loss_kernel=loss_kernel)
     layers = cfg.tuning.resident_layers + min((len(stack) for _, stack in find_layer_stacks(model)), default=0)
     device = torch.device(cfg.device)
     check_checkpointing(cfg.activation_checkpointing, layers, cfg.gpu_memory_budget, device)

@@ -180,7 +180,7 @@ def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device
     try:
         return plan(model, offload_config(args, device), lr=args.lr, weight_decay=args.weight_decay,
                     no_decay=train_config(args, device).no_decay, batch_size=args.batch_size, seq_len=args.seq_len,
-                    loss_chunk_tokens=args.loss_chunk_tokens, loss_backend=args.loss_backend,
+                    loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel,
                     gpu_memory=args.gpu_memory, host_memory=args.host_memory)
     except ValueError as exc:  # a bad size or setting: the message names it
         raise UsageError(str(exc)) from exc

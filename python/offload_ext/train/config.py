@@ -25,7 +25,7 @@ class TrainConfig:
     no_decay: tuple[str, ...] = ("bias", "norm")
     seed: int = 0
     loss_chunk_tokens: int = 4096
-    loss_backend: str = "auto"
+    loss_kernel: str = "auto"
     out: str = "runs/offload-train"
     keep_checkpoints: int = 2
     adapter_only: bool = False  # LoRA: a checkpoint holds the adapter alone, as peft saves it

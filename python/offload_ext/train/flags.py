@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import torch
 
 from offload_ext.config import EngineTuning, OffloadConfig, parse_size
-from offload_ext.models.losses import BACKENDS
+from offload_ext.models.losses import KERNELS
 from offload_ext.train import data as data_mod
 from offload_ext.train import prior_run
 from offload_ext.train.config import TrainConfig
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--activation-checkpointing auto: the GPU peak it may reach (e.g. 20GB; default what the "
                          "process may allocate, less 5 %% and 1 GiB; needed with --device cpu-sim)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
-    ap.add_argument("--loss-backend", choices=BACKENDS, default="auto",
+    ap.add_argument("--loss-kernel", choices=KERNELS, default="auto",
                     help="cross-entropy of the loss: the extension's kernels (native), torch's, or auto "
                          "(native on CUDA)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=4096,
@@ -204,7 +204,7 @@ def train_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
     return TrainConfig(offload=offload_config(args, device), offloaded=args.backend != "none", steps=args.steps,
                        warmup_steps=args.warmup_steps, lr=args.lr, weight_decay=args.weight_decay,
                        no_decay=tuple(p.strip() for p in args.no_decay.split(",") if p.strip()), seed=args.seed,
-                       loss_chunk_tokens=args.loss_chunk_tokens, loss_backend=args.loss_backend, out=args.out,
+                       loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel, out=args.out,
                        keep_checkpoints=args.keep_checkpoints, adapter_only=args.lora_r is not None,
                        flags=run_flags(args))
 

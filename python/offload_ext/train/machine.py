@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from offload_ext.models.losses import resolve_loss_backend
+from offload_ext.models.losses import resolve_loss_kernel
 from offload_ext.train.errors import UsageError
 from offload_ext.train.model_configs import SMALL_BUILTINS
 
@@ -85,6 +85,6 @@ def check_loss_chunk(args: argparse.Namespace) -> None:
 def check_loss_args(args: argparse.Namespace, device: torch.device) -> None:
     check_loss_chunk(args)
     try:
-        resolve_loss_backend(args.loss_backend, device)
+        resolve_loss_kernel(args.loss_kernel, device)
     except RuntimeError as exc:
-        raise UsageError(f"--loss-backend {args.loss_backend}: {exc}") from exc
+        raise UsageError(f"--loss-kernel {args.loss_kernel}: {exc}") from exc

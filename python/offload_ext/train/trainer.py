@@ -102,7 +102,7 @@ class Trainer:
         total = 0.0
         for _ in range(o.grad_accum):
             batch = stream.next_batch().to(self.device)
-            loss = causal_lm_loss(self.model, batch, chunk_tokens=c.loss_chunk_tokens, backend=c.loss_backend)
+            loss = causal_lm_loss(self.model, batch, chunk_tokens=c.loss_chunk_tokens, kernel=c.loss_kernel)
             loss = loss / o.grad_accum
             mark_phase(phases, self.device, "forward")
             backward(loss)

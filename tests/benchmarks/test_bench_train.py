@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
 SHAPE = ["--device", "cpu", "--layers", "3", "--hidden", "64", "--intermediate", "128", "--heads", "4",
          "--kv-heads", "2", "--vocab", "128", "--batch", "4", "--seq", "16", "--steps", "3", "--warmup", "2",
          "--batches", "2"]

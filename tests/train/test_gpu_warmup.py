@@ -30,7 +30,6 @@ def test_an_error_on_the_warmup_thread_is_raised_by_join_on_the_callers_thread(m
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_warmup_leaves_the_cuda_generator_as_it_was_and_keeps_no_memory_of_its_own() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(3)

@@ -11,7 +11,7 @@ import torch
 
 from offload_ext import ops
 
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+GPU = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 IGNORE = -100
 
@@ -69,7 +69,6 @@ def _adamw_span(mode: str, n: int, device: str, seed: int = 0) -> dict[str, torc
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["bf16", "mixed", "mixed-fp32grad"])
 def test_adamw_step_passes_opcheck_on_cuda(mode: str) -> None:
     t = _adamw_span(mode, 1000, "cuda")
@@ -80,7 +79,6 @@ def test_adamw_step_passes_opcheck_on_cuda(mode: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["bf16", "mixed", "mixed-fp32grad"])
 @pytest.mark.parametrize("grad_scale", [1.0, 0.3718])
 @pytest.mark.parametrize("weight_decay, step", [(0.0, 1), (0.1, 7)])

@@ -70,13 +70,13 @@ def test_pretrained_weights_streamed_into_the_engine_give_transformers_first_los
     assert first["streamed"] < _metrics(trained)[0]["loss"] - 0.2  # the trained weights, not a fresh init
 
 
-def test_loss_backends_start_from_the_same_loss_and_both_learn(tmp_path) -> None:
+def test_loss_kernels_start_from_the_same_loss_and_both_learn(tmp_path) -> None:
     curves = {}
-    for backend in ("native", "torch"):
-        out = str(tmp_path / backend)
-        train.run(train.parse_args(["--out", out, *FAST, "--steps", "24", "--loss-backend", backend,
+    for kernel in ("native", "torch"):
+        out = str(tmp_path / kernel)
+        train.run(train.parse_args(["--out", out, *FAST, "--steps", "24", "--loss-kernel", kernel,
                                     "--loss-chunk-tokens", "50"]))
-        curves[backend] = [r["loss"] for r in _metrics(out)]
+        curves[kernel] = [r["loss"] for r in _metrics(out)]
     assert curves["native"][0] == pytest.approx(curves["torch"][0], rel=1e-5)
     for losses in curves.values():
         assert losses[-1] < losses[0] - 0.4
@@ -168,8 +168,8 @@ def test_native_loss_without_the_extension_and_a_zero_loss_chunk_are_clear_error
 
     monkeypatch.setattr(_ext, "_native", None)
     monkeypatch.setattr(_ext, "_error", "compiler not found")
-    _fails(["--out", str(tmp_path), "--loss-backend", "native", *FAST],
-           "--loss-backend native: lm_head_loss: backend='native' needs the extension's cross-entropy kernels", capsys)
+    _fails(["--out", str(tmp_path), "--loss-kernel", "native", *FAST],
+           "--loss-kernel native: lm_head_loss: kernel='native' needs the extension's cross-entropy kernels", capsys)
 
 
 @pytest.mark.parametrize("flags, kept", [

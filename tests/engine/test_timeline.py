@@ -101,7 +101,7 @@ def test_a_second_trace_inside_the_first_is_refused() -> None:
 def test_plot_timeline_draws_one_step_as_a_png(tmp_path) -> None:
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     _traced_run("native", trace)
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_timeline.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plot_timeline.py"
     subprocess.run([sys.executable, str(script), str(trace), str(png), "--step", "1"], check=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -109,7 +109,7 @@ def test_plot_timeline_draws_one_step_as_a_png(tmp_path) -> None:
 def test_timeline_stats_counts_one_host_step_per_unit_in_a_step(tmp_path) -> None:
     trace = tmp_path / "t.json"
     _traced_run("native", trace)
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_stats.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "timeline_stats.py"
     out = subprocess.run([sys.executable, str(script), str(trace), "--step", "1"], check=True, capture_output=True,
                          text=True).stdout
     assert "  step uN: " in out and f"({LAYERS}, " in out.split("host steps by kind")[1], out
@@ -117,7 +117,7 @@ def test_timeline_stats_counts_one_host_step_per_unit_in_a_step(tmp_path) -> Non
 
 def test_bench_train_traces_a_resident_step_with_its_backward_passes_as_it_does_an_offloaded_one(tmp_path) -> None:
     # Both columns of a recipe on one kind of timeline, so that timeline_stats compares their launches.
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
     shape = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
              "--vocab", "128", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "1"]
     subprocess.run([sys.executable, str(bench / "bench_train.py"), "--device", "cpu", *shape, "--stem",
@@ -146,7 +146,7 @@ def test_timeline_stats_reports_who_fed_each_pass_how_fast_and_with_which_ops(tm
     timeline.mark("python", "step", 25 * ms, 26 * ms)
     path = tmp_path / "t.json"
     timeline.write(str(path))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_stats.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "timeline_stats.py"
     out = subprocess.run([sys.executable, str(script), str(path)], check=True, capture_output=True, text=True).stdout
     fed = [line.strip() for line in out.splitlines() if "launched by" in line]
     assert fed == ["launched by CUDA API 11: 100 launches, call 5.0 us, interval 100.0 us (mean 100.0)",

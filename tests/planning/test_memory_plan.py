@@ -247,7 +247,7 @@ def test_the_loss_term_is_the_chunked_losss_live_tensors_at_the_peak(backend, ch
     labels = torch.randint(0, vocab, (batch, seq))
     tracker = _LiveBytes([head.weight, x, labels])
     with tracker:
-        lm_head_loss(head, x, labels, chunk_tokens=chunk, backend=backend).backward()
+        lm_head_loss(head, x, labels, chunk_tokens=chunk, kernel=backend).backward()
     shape = Shape(hidden, 4 * hidden, 4, 4, hidden // 4, vocab)
     rows = dict(loss_rows(shape, batch, seq, chunk, backend == "native", 2 * head.weight.numel()))
     norm = 6 * batch * seq * hidden  # the final norm's saved tensors: not in this graph

@@ -12,7 +12,7 @@ import offload_ext
 from helpers import offloaded_training, reference_training
 from offload_ext import testing
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 
 def small_llama() -> nn.Module:

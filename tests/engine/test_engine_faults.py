@@ -22,7 +22,7 @@ from helpers import batches, offloaded_training, tiny_llama
 from offload_ext import ops, testing
 
 LR, WD = 1e-2, 0.1
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where helpers.py is
 # A fault must surface well within this (the waits poll the copy streams every 50 ms); the rest is start-up.
 BOUND_S = 10.0
 

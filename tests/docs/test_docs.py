@@ -12,7 +12,7 @@ from types import ModuleType
 
 import offload_ext
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "docs" / "api.md"
 DESIGN = ROOT / "docs" / "design.md"
 PACKAGE = ROOT / "python" / "offload_ext"
