@@ -12,7 +12,8 @@ from offload_ext.models.losses import causal_lm_loss, lm_head_loss
 from offload_ext.models.weights import parameters_on_meta
 from offload_ext.ops import adamw_step, get_num_threads, set_num_threads, set_simd_level, supported_simd_level
 from offload_ext.optim.cpu_adamw import CPUAdamW, StochasticAdamW
-from offload_ext.planning.plan import MemoryPlan, plan
+from offload_ext.planning.plan import plan
+from offload_ext.planning.report import MemoryPlan
 
 __all__ = [
     "__version__",

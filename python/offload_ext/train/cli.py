@@ -17,7 +17,8 @@ import torch
 
 from offload_ext.models.lora import add_lora
 from offload_ext.models.weights import from_config_empty
-from offload_ext.planning.plan import MemoryPlan, plan
+from offload_ext.planning.plan import plan
+from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import checkpoint_manifest, errors, prior_run
 from offload_ext.train import data as data_mod
 from offload_ext.train.errors import UsageError
