@@ -17,7 +17,7 @@ ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_table.py) -->", "<!-- perf-table:end -->"
 
 B1_LEAN = "2026-12-04_b4177b1/train_b1_clip_paired.json"  # the newest B1 file with the lean resident baseline
-B1 = "2026-12-05_0601762/train_b1_clip_paired.json"
+B1 = "2026-12-05_f4b4aa0/train_b1_clip_paired.json"
 B2 = "2026-12-04_7725c3f/train_b2.json"
 # (what the row is, results file, mode, the resident mode of the same file it is compared with): default settings
 # only (no hand-picked layout), so each row is what a user gets.
