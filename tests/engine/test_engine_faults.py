@@ -194,19 +194,6 @@ def test_close_mid_step_returns_and_detaches() -> None:
     model(input_ids=x, labels=x)
 
 
-def test_a_plain_backward_is_told_to_use_off_backward_and_close_stays_quiet() -> None:
-    model = tiny_llama(layers=2)
-    off = _native(model)
-    x = batches(1)[0]
-    with pytest.raises(RuntimeError, match=r"call off\.backward\(loss\) instead of loss\.backward\(\)"):
-        model(input_ids=x, labels=x).loss.backward()
-    with pytest.raises(RuntimeError, match=r"call off\.backward\(loss\)"):
-        off.step()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        off.close()
-
-
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_a_non_finite_norm_raises_and_no_later_step_is_taken(backend) -> None:
     model = tiny_llama(layers=2)

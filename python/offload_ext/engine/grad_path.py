@@ -24,9 +24,11 @@ from offload_ext.planning.layout import Part, Span
 
 class GradPath:
     def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int,
-                 sum_on_device: bool = False, on_flush: Callable[[int], None] = lambda i: None) -> None:
+                 sum_on_device: bool = False, on_flush: Callable[[int], None] = lambda i: None,
+                 on_unarmed: Callable[[], None] = lambda: None) -> None:
         self.part = part
         self.on_flush = on_flush  # position i's gradients went to the host for its step
+        self.on_unarmed = on_unarmed  # a gradient arrived before the backward began: it begins it
         self.host = host
         self.backend = backend
         # Position i gathers into buffer i % len(buffers): a ring shared by the units, or with accumulation
@@ -89,11 +91,8 @@ class GradPath:
             self.claimed.add(i)
 
     def _on_grad(self, i: int, s: Span, p: nn.Parameter) -> None:
-        if not self.armed:
-            # A plain loss.backward(): no hyperparameters were set and no micro-batch begun; sending these
-            # gradients would queue host steps the engine cannot run.
-            raise RuntimeError("Offloader: gradients arrived outside off.backward(loss): call off.backward(loss) "
-                               "instead of loss.backward(); it starts the host steps of the offloaded layers")
+        if not self.armed:  # a plain loss.backward() whose first gradients are this part's: it begins here
+            self.on_unarmed()
         unit = self.part.units[i]
         view = self.views[i][s.offset]
         if p.grad.data_ptr() != view.data_ptr():

@@ -146,6 +146,9 @@ class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
         self._checkpointed = checkpointed_count(cfg.activation_checkpointing, self.layout.fewest_stack_layers)
         self._saved.measuring = cfg.activation_checkpointing == "auto"
         self._wrap_layers()
+        self._in_backward = False
+        self._output_hooks = [stack.layers[-1].register_forward_hook(self._output_reached)
+                              for stack in self.layout.stacks if stack.layers]
         self._restart_rings()
 
     # ------------------------------------------------------------------ training API
@@ -188,14 +191,28 @@ class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
         return hypers
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land.
+        """loss.backward(), with each streamed layer stepped on the host as soon as its grads land. A plain
+        `loss.backward()` does the same: the Offloader begins its backward when the gradient first reaches the
+        layers it streams, and ends it as autograd finishes (what Trainer and accelerate call works unchanged).
 
         With grad_accum=N, call it N times per step(): the first N-1 only sum each layer's gradients on
         the host; the N-th steps each layer as its summed gradients are complete. With max_grad_norm,
         every layer's gradients are kept until step(), which clips by the global norm and then steps.
         The hyperparameters are read from param_groups here.
         """
+        self._begin_backward()
+        try:
+            with span(self._timeline, "python", "backward"):
+                loss.backward()
+        except BaseException as e:
+            self._fail(e)  # some layers' gradients may have gone to their host steps, others not
+            raise
+        finally:
+            self._end_backward()
+
+    def _begin_backward(self) -> None:
         self._check_open()
+        self._check_backward_ended()
         hypers = self._hypers()
         self._saved.measuring = False  # "auto" counts what the first micro-batch's forward saved
         self._policy.begin_backward(self._backend)
@@ -205,16 +222,43 @@ class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
             ring.begin_backward(last)
         for path in self._grad_paths:
             path.armed = True
+        self._in_backward = True
         try:
             self._backend.begin_step(hypers)
-            with span(self._timeline, "python", "backward"):
-                loss.backward()
         except BaseException as e:
-            self._fail(e)  # some layers' gradients may have gone to their host steps, others not
+            self._fail(e)
             raise
-        finally:
-            for path in self._grad_paths:
-                path.armed = False
+
+    def _end_backward(self) -> None:
+        for path in self._grad_paths:
+            path.armed = False
+        self._in_backward = False
+
+    def _backward_reached(self) -> None:
+        """A plain loss.backward() reached the offloaded layers (a stack's top output, or a gradient of a part
+        outside the stacks): the backward begins here and ends when autograd's graph task does."""
+        if self._in_backward:
+            return
+        self._begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _check_backward_ended(self) -> None:
+        # autograd runs its end-of-backward callbacks only when the backward completes: one still pending means an
+        # error stopped a plain loss.backward() part way, with some layers' host steps queued and others not.
+        if self._in_backward:
+            error = RuntimeError("Offloader: the last backward did not complete (an error stopped it part way); "
+                                 "its layers may be at different steps: close() it and continue from a checkpoint")
+            self._fail(error)
+            raise error
+
+    def _output_reached(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of each stack's top layer: its output's gradient marks the backward's arrival."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no grad, or a recompute
+            return
+        tensor = output if isinstance(output, torch.Tensor) else next(
+            (t for t in output if isinstance(t, torch.Tensor)), None)
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._backward_reached())
 
     def step(self, closure: None = None) -> None:
         """Finish the host steps of this backward, step the device parameters, prefetch layer 0.
@@ -225,6 +269,7 @@ class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("Offloader.step: closures are not supported; call backward() then step()")
         self._check_open()
+        self._check_backward_ended()
         self._policy.check_step()
         try:
             with span(self._timeline, "python", "step"):
@@ -336,6 +381,8 @@ class Offloader(LayerWiring, StateIO, torch.optim.Optimizer):
             weights, failure = None, failure or str(e)
         for path in self._grad_paths:
             path.unhook()
+        for hook in self._output_hooks:
+            hook.remove()
         for layer in (*(layer for stack in self.layout.stacks for layer in stack.layers), *self.layout.resident):
             unwrap_layer(layer)
         if weights is not None:

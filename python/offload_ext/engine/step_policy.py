@@ -61,8 +61,8 @@ class StepPolicy:
 
     def check_step(self) -> None:
         if self.micro == 0:
-            raise RuntimeError("Offloader: step() without a preceding off.backward(loss); call off.backward(loss) "
-                               "(not loss.backward()) before step()")
+            raise RuntimeError("Offloader: step() without a preceding backward; call loss.backward() (or "
+                               "off.backward(loss)) before step()")
         if self.micro != self.grad_accum:
             raise RuntimeError(f"Offloader: step() after {self.micro} backward() calls, with grad_accum="
                                f"{self.grad_accum}: every step sums exactly grad_accum micro-batches")

@@ -86,5 +86,5 @@ class LayerWiring:
             ring = DeviceRing(part, host, self._backend, buffers, eager)
             rings.append(ring)
             paths.append(GradPath(part, host, self._backend, min(2, buffers), self._policy.sums_on_device,
-                                  on_flush=ring.flushed))
+                                  on_flush=ring.flushed, on_unarmed=self._backward_reached))
         return rings, paths
