@@ -6,6 +6,7 @@ from offload_ext._version import __version__
 from offload_ext.config import EngineTuning, OffloadConfig
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.engine.offloader import Offloader
+from offload_ext.engine.per_layer import PerLayerOffloadWithBackwardGradient
 from offload_ext.models import stacks
 from offload_ext.models.fsdp_shards import materialize_shards
 from offload_ext.models.losses import causal_lm_loss, lm_head_loss
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryPlan",
     "OffloadConfig",
     "Offloader",
+    "PerLayerOffloadWithBackwardGradient",
     "plan",
     "stacks",
 ]
