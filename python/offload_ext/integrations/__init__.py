@@ -1,0 +1,1 @@
+"""Integrations: the Offloader inside the training loops users already have (transformers' Trainer)."""

@@ -1,0 +1,118 @@
+"""OffloadTrainer: transformers' Trainer with the Offloader as its optimizer trains as Trainer does without offload
+(torch's fused AdamW on the same bf16 parameters), logs the global gradient norm, clips by it, and resumes from
+its checkpoints exactly. On the simulated device (TrainingArguments(use_cpu=True))."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+
+transformers = pytest.importorskip("transformers")
+from offload_ext.integrations.hf_trainer import OffloadTrainer  # noqa: E402
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16, seq: int = 16, vocab: int = 128) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, vocab, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _args(out, **kw) -> transformers.TrainingArguments:
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                learning_rate=1e-3, weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=True, seed=0, optim="adamw_torch_fused", lr_scheduler_type="linear",
+                dataloader_drop_last=True)
+    return transformers.TrainingArguments(**(base | kw))
+
+
+def _run(trainer_cls, model, args, **kw) -> list[dict]:
+    trainer = trainer_cls(model=model, args=args, train_dataset=_Tokens(), **kw)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def test_offload_trainer_trains_as_trainer_does_without_offload(tmp_path) -> None:
+    model = tiny_llama(layers=3).bfloat16()
+    ref = copy.deepcopy(model)
+    ours, trainer = _run(OffloadTrainer, model, _args(tmp_path / "a", max_grad_norm=0.0))
+    theirs, _ = _run(transformers.Trainer, ref, _args(tmp_path / "b", max_grad_norm=0.0))
+    # The same forward and backward on the same bf16 weights, and the host AdamW's rule is torch's fused one:
+    # every logged loss is the same number.
+    assert [h["loss"] for h in ours] == [h["loss"] for h in theirs]
+    trainer.offloader.close()
+
+
+def test_offload_trainer_logs_the_global_norm_and_clips_by_it(tmp_path) -> None:
+    model = tiny_llama(layers=3).bfloat16()
+    ref = copy.deepcopy(model)
+    ours, trainer = _run(OffloadTrainer, model, _args(tmp_path / "a", max_grad_norm=0.5))
+    theirs, _ = _run(transformers.Trainer, ref, _args(tmp_path / "b", max_grad_norm=0.5))
+    # Trainer's clip_grad_norm_ sums each gradient's norm in its own dtype (bf16: 8 bits of mantissa, a relative
+    # error up to 2^-8 per tensor, and so in the total); the Offloader's sums squares in float64. The first
+    # step's norms are of the same gradients: they agree within 2^-8.
+    assert math.isclose(ours[0]["grad_norm"], theirs[0]["grad_norm"], rel_tol=2**-8)
+    assert all(h["grad_norm"] > 0.5 for h in ours) == all(h["grad_norm"] > 0.5 for h in theirs)
+    assert trainer.offloader.last_clip_action in ("committed", "redone", "clipped", "unclipped")
+    # Later steps follow weights clipped by scales that differ in the last bits: the losses stay within 1 %.
+    for a, b in zip(ours, theirs):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=0.01), (a, b)
+    trainer.offloader.close()
+
+
+def test_offload_trainer_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
+    model = tiny_llama(layers=3).bfloat16()
+    fresh = copy.deepcopy(model)
+    whole, trainer = _run(OffloadTrainer, model, _args(tmp_path / "a", max_grad_norm=1.0, save_strategy="steps",
+                                                       save_steps=2))
+    trainer.offloader.close()
+    resumed_trainer = OffloadTrainer(model=fresh, args=_args(tmp_path / "a", max_grad_norm=1.0),
+                                     train_dataset=_Tokens())
+    resumed_trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    resumed = [h for h in resumed_trainer.state.log_history if "loss" in h]
+    assert [h["loss"] for h in resumed if h["step"] > 2] == [h["loss"] for h in whole if h["step"] > 2]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoint-4")
+    assert loaded.config.num_hidden_layers == 3
+    resumed_trainer.offloader.close()
+
+
+def test_what_the_offloader_cannot_honour_is_refused(tmp_path) -> None:
+    model = tiny_llama(layers=2).bfloat16()
+    with pytest.raises(ValueError, match="optim='adamw_torch'"):
+        OffloadTrainer(model=model, args=_args(tmp_path, optim="sgd"), train_dataset=_Tokens())
+    with pytest.raises(ValueError, match="the Offloader is the optimizer"):
+        OffloadTrainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(),
+                       optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+
+
+def test_an_accelerate_loop_trains_as_the_offloader_alone() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    import offload_ext
+    from helpers import batches, offloaded_training
+
+    model = tiny_llama(layers=3).bfloat16()
+    ref = copy.deepcopy(model)
+    data = batches(4)
+    accelerator = accelerate.Accelerator(cpu=True)
+    off = offload_ext.Offloader(model, lr=1e-3, device="cpu", max_grad_norm=1.0)
+    model, opt = accelerator.prepare(model, off)
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        accelerator.backward(loss)  # a plain loss.backward() underneath
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    off_ref = offload_ext.Offloader(ref, lr=1e-3, device="cpu", max_grad_norm=1.0)
+    assert losses == offloaded_training(off_ref, ref, data)
+    off.close()
+    off_ref.close()
