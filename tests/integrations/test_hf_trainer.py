@@ -116,3 +116,47 @@ def test_an_accelerate_loop_trains_as_the_offloader_alone() -> None:
     assert losses == offloaded_training(off_ref, ref, data)
     off.close()
     off_ref.close()
+
+
+def _chat_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = "user assistant hello how are you fine thanks what is two plus two four bye".split()
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="<eos>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    return fast
+
+
+def test_trls_sft_trainer_with_the_mixin_trains_as_without_offload(tmp_path) -> None:
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from offload_ext.integrations.hf_trainer import OffloadTrainerMixin
+
+    class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer):
+        pass
+
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+             for q, a in [("hello how are you", "fine thanks"), ("what is two plus two", "four"),
+                          ("hello", "hello"), ("bye", "bye thanks")] * 4]
+    data = datasets.Dataset.from_dict({"messages": chats})
+    tokenizer = _chat_tokenizer()
+    model = tiny_llama(layers=3).bfloat16()
+    ref = copy.deepcopy(model)
+    runs = []
+    for cls, m, out in ((OffloadSFTTrainer, model, "a"), (trl.SFTTrainer, ref, "b")):
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=3,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, optim="adamw_torch_fused", max_grad_norm=0.0, max_length=32,
+                             dataloader_drop_last=True)
+        trainer = cls(model=m, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        runs.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    # The same chat-templated tokens, forward and backward on the same bf16 weights, torch's AdamW rule: the same
+    # losses, every one.
+    assert runs[0] == runs[1] and len(runs[0]) == 3
