@@ -35,28 +35,48 @@ def step_window(events: list[dict], step: int) -> tuple[float, float]:
     return starts[step], end
 
 
-def plot(lanes: list[str], events: list[dict], window: tuple[float, float], out: str, title: str) -> None:
-    import matplotlib
-
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot_timeline: drawing needs matplotlib: pip install matplotlib "
+                         "(or pip install \".[plot]\" in the repository)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(lanes: list[str], events: list[dict], window: tuple[float, float], out: str, title: str) -> None:
+    plt = _pyplot()
+    from matplotlib.patches import Patch
 
     t0, t1 = window
     shown = [lane for lane in lanes if any(e["lane"] == lane for e in events)]
     fig, ax = plt.subplots(figsize=(14, 0.6 * len(shown) + 1.5))
     cmap = plt.get_cmap("tab20")
+    units: set[int] = set()
     for row, lane in enumerate(reversed(shown)):
         for e in events:
             if e["lane"] != lane or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
                 continue
             unit = e["args"].get("unit", -1)
+            units.add(unit)
             color = "0.6" if unit < 0 else cmap(unit % 20)
             start, width = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, (t1 - t0) / 1e3 / 2000)
             ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolor="none")
     ax.set_yticks(range(len(shown)), list(reversed(shown)))
     ax.set_xlim(0, (t1 - t0) / 1e3)
-    ax.set_xlabel("ms from the start of backward (colour: unit)")
+    ax.set_xlabel("ms from the start of backward")
     ax.set_title(title)
+    # One colour per unit (a layer's flat buffers; tab20's colours repeat every 20 units), grey for work of no
+    # unit (launches, norms, the device optimizer). Lanes are the threads and streams that ran it.
+    handles = [Patch(color=cmap(u % 20), label=f"unit {u}") for u in sorted(u for u in units if u >= 0)[:20]]
+    if -1 in units:
+        handles.append(Patch(color="0.6", label="no unit"))
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, title="colour",
+                  title_fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

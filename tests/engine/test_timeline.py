@@ -106,6 +106,19 @@ def test_plot_timeline_draws_one_step_as_a_png(tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_timeline_without_matplotlib_names_the_pip_line(tmp_path) -> None:
+    trace = tmp_path / "t.json"
+    _traced_run("native", trace)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plot_timeline.py"
+    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['plot_timeline.py', {str(trace)!r}, {str(tmp_path / 't.png')!r}]; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ('plot_timeline: drawing needs matplotlib: pip install matplotlib (or pip install '
+                                   '".[plot]" in the repository)')
+
+
 def test_timeline_stats_counts_one_host_step_per_unit_in_a_step(tmp_path) -> None:
     trace = tmp_path / "t.json"
     _traced_run("native", trace)
