@@ -183,3 +183,16 @@ class HostMemoryLog:
         self._stop.set()
         self._thread.join()
         self._file.close()
+
+
+def pyplot(script: str) -> Any:
+    """matplotlib's pyplot on the file-only backend; without matplotlib, exit with the line that installs it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"{script}: drawing needs matplotlib: pip install matplotlib "
+                         "(or pip install \".[plot]\" in the repository)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -34,11 +34,7 @@ def losses(path: str) -> list[float]:
 
 
 def plot(curves: dict[str, list[float]], out: str, smooth: int, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _common.pyplot("compare_curves")
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, c in curves.items():
         # Trailing mean over up to `smooth` steps: per-batch noise hides the trend otherwise.

@@ -10,6 +10,8 @@ import argparse
 import gzip
 import json
 
+import _common
+
 
 def load(path: str) -> tuple[list[str], list[dict]]:
     """(lane names in order, complete events each with its lane) of a trace file, gzipped (.gz) or not."""
@@ -35,20 +37,8 @@ def step_window(events: list[dict], step: int) -> tuple[float, float]:
     return starts[step], end
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plot_timeline: drawing needs matplotlib: pip install matplotlib "
-                         "(or pip install \".[plot]\" in the repository)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot(lanes: list[str], events: list[dict], window: tuple[float, float], out: str, title: str) -> None:
-    plt = _pyplot()
+    plt = _common.pyplot("plot_timeline")
     from matplotlib.patches import Patch
 
     t0, t1 = window

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,10 +111,12 @@ def test_plot_timeline_without_matplotlib_names_the_pip_line(tmp_path) -> None:
     trace = tmp_path / "t.json"
     _traced_run("native", trace)
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "plot_timeline.py"
-    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "
-            f"sys.argv = ['plot_timeline.py', {str(trace)!r}, {str(tmp_path / 't.png')!r}]; "
-            f"runpy.run_path({str(script)!r}, run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    hidden = tmp_path / "no_matplotlib"  # first on the path: `import matplotlib` fails as where it is not installed
+    hidden.mkdir()
+    (hidden / "matplotlib.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(trace), str(tmp_path / "t.png")], capture_output=True,
+                          text=True, env=env)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == ('plot_timeline: drawing needs matplotlib: pip install matplotlib (or pip install '
                                    '".[plot]" in the repository)')
