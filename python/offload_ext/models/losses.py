@@ -51,9 +51,10 @@ def _torch_chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                   chunk_tokens: int = 4096, kernel: str = "auto") -> torch.Tensor:
-    """Mean cross-entropy of predicting labels[:, 1:] (default: input_ids) from an HF causal LM."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+                   chunk_tokens: int = 4096, kernel: str = "auto", **model_inputs: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting labels[:, 1:] (default: input_ids; -100 ignored) from an HF causal LM.
+    `model_inputs` go to its decoder as they are (position_ids, attention_mask: packed examples)."""
+    hidden = model.get_decoder()(input_ids=input_ids, **model_inputs).last_hidden_state
     return lm_head_loss(model.get_output_embeddings(), hidden, input_ids if labels is None else labels,
                         chunk_tokens, kernel)
 

@@ -183,6 +183,18 @@ def load_texts(dataset: str, split: str, text_field: str, streaming: bool) -> An
     return (row[text_field] for row in ds)
 
 
+def load_rows(dataset: str, split: str) -> Any:
+    """A `datasets` dataset's rows (hub id, local directory, or data files by extension), read whole."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise RuntimeError("--dataset needs the `datasets` package: pip install datasets") from exc
+    ds, columns = _open_dataset(datasets, dataset, split, streaming=False)
+    if columns is None:
+        raise ValueError(f"--dataset {dataset}: split {split!r} has no rows")
+    return ds
+
+
 def _open_dataset(datasets: Any, dataset: str, split: str, streaming: bool) -> tuple[Any, list[str] | None]:
     """The dataset and its columns (None: it has no rows)."""
     if os.path.isfile(dataset):

@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--pretrained", dest="pretrained", action="store_true",
                    help="load the model's weights (default for a directory with weights, or a hub id)")
     ap.set_defaults(pretrained=None)
+    ap.add_argument("--task", choices=("lm", "sft"), default="lm",
+                    help="lm: next-token loss on every token of raw text; sft: chat fine-tuning, the loss on the "
+                         "assistant turns only, short examples packed without seeing each other (--dataset with a "
+                         "'messages' column, or 'prompt' and 'completion'; embedded: questions on the standard "
+                         "library answered by its docstrings)")
     ap.add_argument("--dataset", default=data_mod.EMBEDDED,
                     help="'stdlib' (embedded), a datasets hub id, a local dataset directory or a data file")
     ap.add_argument("--text-field", default="text")

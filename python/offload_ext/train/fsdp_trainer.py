@@ -32,6 +32,8 @@ _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-l
 
 
 def check_fsdp_args(args: argparse.Namespace) -> None:
+    if args.task != "lm":
+        raise UsageError("--fsdp trains --task lm (windows of text); --task sft runs on one device")
     for key, flag in _ENGINE_ONLY.items():
         if getattr(args, key):
             raise UsageError(f"{flag} is an option of the single-GPU engine; --fsdp shards with FSDP2 instead: "

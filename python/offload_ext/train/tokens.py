@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from offload_ext.models.durable import atomic_write
+from offload_ext.train import chat
 from offload_ext.train import data as data_mod
 from offload_ext.train.errors import UsageError
 from offload_ext.train.model_configs import BUILTIN, TOKENIZER_FILES, has_any, tokenizer_name
@@ -138,7 +139,9 @@ def _corpus_tokens(path: str, texts: Callable[[], list[str]], encode_batch: Call
     return tokens
 
 
-def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, int]:
+def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream | chat.ChatStream, Any, int]:
+    if args.task == "sft":
+        return _chat_stream(args)
     if args.dataset == data_mod.EMBEDDED:
         max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
         texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes))  # read once, if at all
@@ -153,3 +156,25 @@ def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream, Any, i
     docs = lambda: data_mod.load_texts(args.dataset, args.split, args.text_field, args.streaming)  # noqa: E731
     return data_mod.TokenStream(args.batch_size, args.seq_len, args.seed, documents=docs,
                                 encode=lambda t: encode_batch([t])[0], eos_id=eos), tok, vocab
+
+
+def _chat_stream(args: argparse.Namespace) -> tuple[chat.ChatStream, Any, int]:
+    """--task sft's packed conversations, encoded by the model's tokenizer (its chat template when it has one) or
+    by the embedded corpus's BPE (trained as for --task lm) with the plain template."""
+    if args.streaming:
+        raise UsageError("--task sft reads its dataset whole (it packs and shuffles the conversations): drop "
+                         "--streaming")
+    embedded = args.dataset == data_mod.EMBEDDED
+    max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
+    texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes)) if embedded else None
+    encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
+    template = getattr(tok, "chat_template", None) and (
+        lambda messages: tok.apply_chat_template(messages, tokenize=False))
+    try:
+        chats = chat.embedded_chats() if embedded else chat.chats_from_rows(
+            data_mod.load_rows(args.dataset, args.split), args.dataset)
+        examples = [chat.encode_chat(m, encode_batch, eos, template) for m in chats]
+        pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else eos
+        return chat.ChatStream(args.batch_size, args.seq_len, args.seed, examples, pad), tok, vocab
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc

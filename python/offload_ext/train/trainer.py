@@ -17,6 +17,7 @@ from offload_ext.models.weight_source import WeightSource
 from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import checkpoint_manifest, run_dir
 from offload_ext.train import data as data_mod
+from offload_ext.train.chat import ChatBatch
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import UsageError
 
@@ -102,7 +103,8 @@ class Trainer:
         total = 0.0
         for _ in range(o.grad_accum):
             batch = stream.next_batch().to(self.device)
-            loss = causal_lm_loss(self.model, batch, chunk_tokens=c.loss_chunk_tokens, kernel=c.loss_kernel)
+            loss = causal_lm_loss(self.model, *_inputs(batch), chunk_tokens=c.loss_chunk_tokens, kernel=c.loss_kernel,
+                                  **_packing(batch))
             loss = loss / o.grad_accum
             mark_phase(phases, self.device, "forward")
             backward(loss)
@@ -197,3 +199,15 @@ class Trainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         return int(state["step"])
+
+
+def _inputs(batch: torch.Tensor | ChatBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids, labels): a window of text is its own labels; packed chat has the assistant's tokens only."""
+    return (batch.input_ids, batch.labels) if isinstance(batch, ChatBatch) else (batch, None)
+
+
+def _packing(batch: torch.Tensor | ChatBatch) -> dict[str, torch.Tensor]:
+    """Packed examples' position ids and block-diagonal attention (none for windows of text)."""
+    if isinstance(batch, ChatBatch):
+        return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask}
+    return {}
