@@ -17,6 +17,7 @@ from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import UsageError
 from offload_ext.train.inputs import check_numbers
 from offload_ext.train.model_configs import BUILTIN
+from offload_ext.train.watch import check_report_to
 
 DESCRIPTION = """Train a causal LM with CPU offload (or without, for comparison) on one device, or with --fsdp under
 torchrun on several.
@@ -153,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="stop (with a checkpoint) after this many steps of this invocation; the lr schedule "
                          "still spans --steps, and --resume continues (for preemptible jobs)")
     ap.add_argument("--log-every", type=int, default=1)
+    ap.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
+                    help="also log each metrics row to TensorBoard (--out/tensorboard; pip install tensorboard)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", action="store_true",
                     help="write a torch.profiler trace (trace.json) and, with offload, the engine's timeline "
@@ -160,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error on the inputs")
     args = ap.parse_args(argv)
     check_numbers(args)
+    check_report_to(args.report_to)
     return args
 
 

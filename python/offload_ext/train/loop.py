@@ -15,6 +15,7 @@ import torch
 from offload_ext.engine.timeline import Timeline
 from offload_ext.train import prior_run, run_dir
 from offload_ext.train.trainer import Trainer
+from offload_ext.train.watch import Watch
 
 
 def dist_rank() -> int:
@@ -57,6 +58,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
     saved = None
+    watch = Watch(args.out, args.report_to, lead)
     with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
             if args.trace and trainer.off is not None and k == _TRACED[0]:
@@ -91,11 +93,13 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                     row["kept_layers"] = trainer.off.kept_layers  # layers per stack run without recompute
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+                watch.log(row)
                 run_dir.boundary("metrics", step + 1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")
             if args.save_every and (step + 1) % args.save_every == 0:
                 saved = trainer.save(step + 1, stream, tokenizer)
                 run_dir.boundary("saved", step + 1)
+                watch.draw()
     timeline.close()
     if profiler is not None:
         profiler.stop()
@@ -105,6 +109,8 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     elif saved is None:  # a resume with no step left: its checkpoint stays the run's last
         complete = prior_run.complete_checkpoints(args.out)
         saved = complete[-1][1] if complete else os.path.join(args.out, prior_run.LEGACY)  # --fsdp's, in place
+    watch.draw()
+    watch.close()
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
                "final_loss": losses[-1] if losses else None, "tokens_per_s": float(np.median(steady)),

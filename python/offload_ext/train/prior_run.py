@@ -17,6 +17,8 @@ from offload_ext.train.errors import CheckpointError
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 METRICS = "metrics.jsonl"
+CURVES = "curves.png"  # train/watch.py draws it
+TENSORBOARD = "tensorboard"  # --report-to tensorboard logs there
 LEGACY = "checkpoint"  # offload-train's layout before step directories: one directory, no manifest
 
 # The flags a resumed run must share with its checkpoint: each changes the engine state's shape, the
@@ -132,11 +134,12 @@ def _mtime(path: str) -> str:
 
 
 def remove_run(out: str) -> None:
-    """--overwrite: the previous run's metrics and checkpoints deleted (the tokenizer cache stays)."""
-    for name in (METRICS, LATEST):
+    """--overwrite: the previous run's metrics, curves, TensorBoard logs and checkpoints deleted (the tokenizer
+    cache stays)."""
+    for name in (METRICS, LATEST, CURVES):
         if os.path.lexists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
-    for name in (CHECKPOINTS, LEGACY):
+    for name in (CHECKPOINTS, LEGACY, TENSORBOARD):
         if os.path.isdir(os.path.join(out, name)):
             shutil.rmtree(os.path.join(out, name))
 
