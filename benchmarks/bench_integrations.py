@@ -1,0 +1,179 @@
+"""The integrations' speed beside the Offloader's own loop, on one recipe: the B1 shape (Llama-3.2-1B: 16 layers x
+2048, vocab 128256), batches of 4 x 2048 random tokens, AdamW lr 1e-4, max_grad_norm 1.0, the chunked loss
+(causal_lm_loss) everywhere. Modes, each in a process of its own, one after another:
+
+- `offloader`: the loop offload-train runs (forward with causal_lm_loss, loss.backward(), off.step());
+- `trainer`: OffloadTrainer (transformers' Trainer, its compute_loss the same causal_lm_loss);
+- `per-layer`: PerLayerOffloadWithBackwardGradient's loop, as written for the hook offloader.
+
+Each row: the median step time over the timed steps (after the warm-up), tokens/s and its ratio to `offloader`.
+
+    python benchmarks/bench_integrations.py [--steps 10] [--warmup 3] [--device cuda] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import _common
+
+MODES = ("offloader", "trainer", "per-layer")
+
+
+def _config(tiny: bool):
+    from transformers import LlamaConfig
+
+    if tiny:  # the same code path on the simulated device, for a test
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+
+
+def _model(tiny: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(tiny), dtype=torch.bfloat16)
+
+
+def _batches(n: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(n)]
+
+
+def _timed(step, batches: list[torch.Tensor], device: str) -> list[float]:
+    times = []
+    for x in batches:
+        t0 = time.perf_counter()
+        step(x.to(device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
+    import offload_ext
+
+    model = _model(a.tiny)
+    off = offload_ext.Offloader(model, lr=1e-4, device=a.device, max_grad_norm=1.0)
+
+    def step(x: torch.Tensor) -> None:
+        offload_ext.causal_lm_loss(model, x).backward()
+        off.step()
+        off.zero_grad()
+    return _timed(step, batches, a.device)
+
+
+def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
+    import offload_ext
+
+    model = _model(a.tiny)
+    offloader = offload_ext.PerLayerOffloadWithBackwardGradient(model, torch.optim.AdamW,
+                                                                 dict(lr=1e-4, weight_decay=0.0, fused=True))
+    offloader.cuda() if a.device == "cuda" else offloader.cpu()
+
+    def step(x: torch.Tensor) -> None:
+        loss = offload_ext.causal_lm_loss(model, x)
+        offloader.disable_forward_hook = True
+        loss.backward()
+        offloader.disable_forward_hook = False
+        offloader.optim_step()
+        offloader.optim_zero_grad()
+    # The drop-in clips nothing (the hook offloader has no max_grad_norm): its own recipe, timed all the same.
+    return _timed(step, batches, a.device)
+
+
+def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
+    from transformers import TrainerCallback, TrainingArguments
+
+    import offload_ext
+    from offload_ext.integrations.hf_trainer import OffloadTrainer
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(batches) * batches[0].shape[0]
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            row = batches[i // batches[0].shape[0]][i % batches[0].shape[0]]
+            return {"input_ids": row, "labels": row}
+
+    class ChunkedLoss(OffloadTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return offload_ext.causal_lm_loss(model, inputs["input_ids"])
+
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    args = TrainingArguments(output_dir="/tmp/bench_integrations", per_device_train_batch_size=batches[0].shape[0],
+                             max_steps=len(batches), learning_rate=1e-4, weight_decay=0.0, lr_scheduler_type="constant",
+                             max_grad_norm=1.0, logging_steps=10**6, save_strategy="no", report_to=[],
+                             use_cpu=a.device == "cpu", optim="adamw_torch_fused", dataloader_drop_last=True)
+    trainer = ChunkedLoss(model=_model(a.tiny), args=args, train_dataset=Rows(), callbacks=[Stamp()])
+    trainer.train()
+    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])]
+
+
+def _child(a: argparse.Namespace) -> None:
+    cfg = _config(a.tiny)
+    batches = _batches(a.warmup + a.steps, a.batch, a.seq, cfg.vocab_size)
+    run = {"offloader": _run_offloader, "trainer": _run_trainer, "per-layer": _run_per_layer}[a.child]
+    times = run(a, batches)[a.warmup:]
+    peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
+    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak,
+                      "host_peak_gb": _common._proc_kb("/proc/self/status", "VmHWM") / 1e6}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a two-layer model (the CPU test's)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--stem", default="integrations_b1")
+    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return _child(a)
+    rows = []
+    for mode in a.modes.split(","):
+        cmd = [sys.executable, __file__, "--child", mode, *sys.argv[1:]]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["median_step_s"] = statistics.median(row["step_times_s"])
+        row["spread_s"] = [min(row["step_times_s"]), max(row["step_times_s"])]
+        row["tokens_per_s"] = a.batch * a.seq / row["median_step_s"]
+        rows.append(row)
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "offloader"), None)
+    lines = ["| mode | s/step (median) | min-max | tok/s | vs offloader | GPU peak GB | host peak GB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        gpu = f"{r['gpu_peak_gb']:.1f}" if r["gpu_peak_gb"] is not None else "-"
+        lines.append(f"| {r['mode']} | {r['median_step_s']:.4f} | {r['spread_s'][0]:.4f}-{r['spread_s'][1]:.4f} | "
+                     f"{r['tokens_per_s']:.0f} | {ratio} | {gpu} | {r['host_peak_gb']:.1f} |")
+    print("\n".join(lines))
+    for path in _common.write_results(a.stem, {"args": vars(a), "rows": rows}, "\n".join(lines) + "\n"):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

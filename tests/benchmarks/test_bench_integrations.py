@@ -1,0 +1,19 @@
+"""bench_integrations runs each integration's loop in its own process and writes one row per mode with its ratio to
+the Offloader's own loop (a two-layer model on the simulated device: the code path, not the figures)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_integrations.py"
+
+
+def test_every_mode_runs_and_is_compared_with_the_offloaders_loop(tmp_path) -> None:
+    subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1",
+                    "--batch", "2", "--seq", "16", "--stem", str(tmp_path / "r")], check=True, capture_output=True)
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["offloader", "trainer", "per-layer"]
+    assert all(len(r["step_times_s"]) == 3 and r["tokens_per_s"] > 0 for r in rows)
+    assert "| offloader |" in (tmp_path / "r.md").read_text() and "1.000x" in (tmp_path / "r.md").read_text()
