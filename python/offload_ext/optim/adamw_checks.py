@@ -70,6 +70,8 @@ def check_hyper(lr: float | torch.Tensor, betas: tuple[float, float], eps: float
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
     if not 0.0 <= betas[0] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:
