@@ -54,8 +54,8 @@ def test_disabled_it_leaves_the_model_to_the_optimizer_it_names() -> None:
 
 @pytest.mark.parametrize("optim_cls, kwargs, error, message", [
     (torch.optim.SGD, dict(lr=0.1), TypeError, "optim_cls must be torch.optim.AdamW"),
-    (torch.optim.AdamW, dict(lr=1e-3, amsgrad=True), ValueError, r"AdamW\(amsgrad=True\) is not supported"),
-    (torch.optim.AdamW, dict(lr=1e-3, momentum=0.9), TypeError, "unknown AdamW keyword 'momentum'"),
+    (torch.optim.AdamW, dict(lr=1e-3, amsgrad=True), ValueError, "amsgrad=True is not supported"),
+    (torch.optim.AdamW, dict(lr=1e-3, momentum=0.9), TypeError, "unexpected keyword argument 'momentum'"),
 ])
 def test_what_the_host_adamw_cannot_run_is_refused_before_anything_moves(optim_cls, kwargs, error, message) -> None:
     with pytest.raises(error, match=message):

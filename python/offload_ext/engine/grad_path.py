@@ -24,8 +24,7 @@ from offload_ext.planning.layout import Part, Span
 
 class GradPath:
     def __init__(self, part: Part, host: list[LayerBuffers], backend: Backend, buffers: int,
-                 sum_on_device: bool = False, on_flush: Callable[[int], None] = lambda i: None,
-                 on_unarmed: Callable[[], None] = lambda: None) -> None:
+                 sum_on_device: bool, on_flush: Callable[[int], None], on_unarmed: Callable[[], None]) -> None:
         self.part = part
         self.on_flush = on_flush  # position i's gradients went to the host for its step
         self.on_unarmed = on_unarmed  # a gradient arrived before the backward began: it begins it

@@ -15,12 +15,9 @@ import torch
 from torch import nn
 
 from offload_ext.engine.offloader import Offloader
+from offload_ext.optim.adamw_checks import check_adamw_keywords
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
-# torch AdamW's keywords that choose an implementation, not the rule: accepted with any value.
-_IMPLEMENTATION = ("foreach", "fused")
-# torch AdamW's keywords that change the rule: accepted at their defaults only.
-_AT_DEFAULT = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 
 
 def _offloader_kwargs(optim_cls: type, optim_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -29,13 +26,8 @@ def _offloader_kwargs(optim_cls: type, optim_kwargs: dict[str, Any]) -> dict[str
         raise TypeError(f"PerLayerOffloadWithBackwardGradient: optim_cls must be torch.optim.AdamW (the host AdamW "
                         f"runs its rule), got {getattr(optim_cls, '__name__', optim_cls)}; for another optimizer "
                         "keep the original hook offloader")
-    unknown = sorted(set(optim_kwargs) - set(_HYPER) - set(_IMPLEMENTATION) - set(_AT_DEFAULT))
-    if unknown:
-        raise TypeError(f"PerLayerOffloadWithBackwardGradient: unknown AdamW keyword {unknown[0]!r}")
-    for name, default in _AT_DEFAULT.items():
-        if name in optim_kwargs and optim_kwargs[name] != default:
-            raise ValueError(f"PerLayerOffloadWithBackwardGradient: AdamW({name}={optim_kwargs[name]!r}) is not "
-                             f"supported by the host AdamW; leave {name} at {default}")
+    check_adamw_keywords({k: v for k, v in optim_kwargs.items() if k not in _HYPER},
+                         owner="PerLayerOffloadWithBackwardGradient")
     return {k: v for k, v in optim_kwargs.items() if k in _HYPER}
 
 

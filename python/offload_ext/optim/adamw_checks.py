@@ -51,14 +51,16 @@ def check_host_memory_for(shards: Sequence[tuple[torch.Tensor, bool]], redo_copi
     check_host_memory(HostNeed(tuple(blocks)), available_host_bytes(), alternatives, who="CPUAdamW")
 
 
-def check_adamw_keywords(kwargs: dict[str, Any]) -> None:
+def check_adamw_keywords(kwargs: dict[str, Any], owner: str = "CPUAdamW") -> None:
+    """torch AdamW's keywords beyond the hyperparameters: its implementation choices taken whatever they say, the
+    ones that change its rule at their defaults only; any other refused by name."""
     for key, value in kwargs.items():
         if key in _ADAMW_IMPLEMENTATION:
             continue
         if key not in _ADAMW_ONLY_AT_DEFAULT:
-            raise TypeError(f"CPUAdamW got an unexpected keyword argument {key!r}")
+            raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")
         if bool(value) != _ADAMW_ONLY_AT_DEFAULT[key]:
-            raise ValueError(f"CPUAdamW: {key}={value!r} is not supported (only AdamW's default, "
+            raise ValueError(f"{owner}: {key}={value!r} is not supported (only AdamW's default, "
                              f"{key}={_ADAMW_ONLY_AT_DEFAULT[key]}); use torch.optim.AdamW for it")
 
 

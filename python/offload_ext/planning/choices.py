@@ -28,7 +28,7 @@ class Settings:
 
     def with_changes(self, **change: Any) -> Settings:
         """These settings with `change` applied: the batch's fields here, any other the config's."""
-        batch = {k: v for k, v in change.items() if k in ("batch_size", "seq_len", "loss_chunk_tokens", "loss_kernel")}
+        batch = {k: v for k, v in change.items() if k != "config" and k in {f.name for f in dataclasses.fields(self)}}
         rest = {k: v for k, v in change.items() if k not in batch}
         return dataclasses.replace(self, config=self.config.replace(**rest) if rest else self.config, **batch)
 

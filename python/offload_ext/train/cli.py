@@ -22,7 +22,7 @@ from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import checkpoint_manifest, errors, prior_run
 from offload_ext.train import data as data_mod
 from offload_ext.train.errors import UsageError
-from offload_ext.train.flags import offload_config, parse_args, run_flags, train_config
+from offload_ext.train.flags import parse_args, run_flags, train_config
 from offload_ext.train.gpu_warmup import GpuWarmup
 from offload_ext.train.inputs import check_inputs
 from offload_ext.train.loop import dist_rank, print_setup, seconds_since_process_start, train_loop
@@ -179,10 +179,10 @@ def _with_lora(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Mod
 
 def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> MemoryPlan:
     try:
-        return plan(model, offload_config(args, device), lr=args.lr, weight_decay=args.weight_decay,
-                    no_decay=train_config(args, device).no_decay, batch_size=args.batch_size, seq_len=args.seq_len,
-                    loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel,
-                    gpu_memory=args.gpu_memory, host_memory=args.host_memory)
+        c = train_config(args, device)
+        return plan(model, c.offload, lr=c.lr, weight_decay=c.weight_decay, no_decay=c.no_decay,
+                    batch_size=args.batch_size, seq_len=args.seq_len, loss_chunk_tokens=c.loss_chunk_tokens,
+                    loss_kernel=c.loss_kernel, gpu_memory=args.gpu_memory, host_memory=args.host_memory)
     except ValueError as exc:  # a bad size or setting: the message names it
         raise UsageError(str(exc)) from exc
 

@@ -143,8 +143,7 @@ def build_stream(args: argparse.Namespace) -> tuple[data_mod.TokenStream | chat.
     if args.task == "sft":
         return _chat_stream(args)
     if args.dataset == data_mod.EMBEDDED:
-        max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
-        texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes))  # read once, if at all
+        max_bytes, texts = _embedded_corpus(args)
         store = _machine_cache(args, max_bytes, _embedded_vocab(args))
         encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
         path = _corpus_path(args, vocab)
@@ -165,8 +164,7 @@ def _chat_stream(args: argparse.Namespace) -> tuple[chat.ChatStream, Any, int]:
         raise UsageError("--task sft reads its dataset whole (it packs and shuffles the conversations): drop "
                          "--streaming")
     embedded = args.dataset == data_mod.EMBEDDED
-    max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
-    texts = functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes)) if embedded else None
+    texts = _embedded_corpus(args)[1] if embedded else None
     encode_batch, eos, vocab, tok = build_tokenizer(args, texts)
     template = getattr(tok, "chat_template", None) and (
         lambda messages: tok.apply_chat_template(messages, tokenize=False))
@@ -178,3 +176,9 @@ def _chat_stream(args: argparse.Namespace) -> tuple[chat.ChatStream, Any, int]:
         return chat.ChatStream(args.batch_size, args.seq_len, args.seed, examples, pad), tok, vocab
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def _embedded_corpus(args: argparse.Namespace) -> tuple[int, Callable[[], list[str]]]:
+    """The embedded corpus's size for this model, and its texts, read once and only if asked for."""
+    max_bytes = (8 << 20) if args.model != "tiny" else (2 << 20)
+    return max_bytes, functools.cache(lambda: data_mod.stdlib_corpus(max_bytes=max_bytes))
