@@ -19,7 +19,7 @@ from offload_ext.models.lora import add_lora
 from offload_ext.models.weights import from_config_empty
 from offload_ext.planning.plan import plan
 from offload_ext.planning.report import MemoryPlan
-from offload_ext.train import checkpoint_manifest, errors, prior_run
+from offload_ext.train import checkpoint_manifest, errors, interrupt, prior_run
 from offload_ext.train import data as data_mod
 from offload_ext.train.errors import UsageError
 from offload_ext.train.flags import parse_args, run_flags, train_config
@@ -272,8 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     fresh_out = not os.path.lexists(args.out)
     _allocator_settings(args)
     try:
-        check_inputs(args)
-        run(args)
+        with interrupt.recorded():
+            check_inputs(args)
+            run(args)
     except UsageError as exc:
         if fresh_out and prior_run.existing_run(args.out) is None:  # never a run's metrics or checkpoints
             shutil.rmtree(args.out, ignore_errors=True)

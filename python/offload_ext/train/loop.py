@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from offload_ext.engine.timeline import Timeline
-from offload_ext.train import prior_run, run_dir
+from offload_ext.train import interrupt, prior_run, run_dir
 from offload_ext.train.trainer import Trainer
 from offload_ext.train.watch import Watch
 
@@ -100,6 +100,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                 saved = trainer.save(step + 1, stream, tokenizer)
                 run_dir.boundary("saved", step + 1)
                 watch.draw()
+            interrupt.raise_if_pressed()
     timeline.close()
     if profiler is not None:
         profiler.stop()
