@@ -1,5 +1,5 @@
 """DeepSpeed as bench_train's peer: ZeRO stage 3 with parameters and optimizer states offloaded to pinned
-host memory, DeepSpeedCPUAdam, one process on one device.
+host memory (or stage 2, the optimizer states only), DeepSpeedCPUAdam, one process on one device.
 
 Precision, named as the offload_ext modes are: "bf16" keeps bf16 masters, gradients and Adam moments on
 the host (bf16_master_weights_and_grads + bf16_optimizer_states, what native-bf16 keeps); "mixed" is
@@ -10,6 +10,7 @@ changes (the process group, nn.functional.linear) is put back by release().
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import socket
@@ -53,9 +54,40 @@ def _init_single_process(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
-def zero3_config(batch: int, accum: int, max_grad_norm: float | None, precision: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Zero:
+    """Which ZeRO: stage 3 (parameters and optimizer state on the host) or 2 (optimizer state only: the weights
+    stay on the device), stock or tuned. Tuned sizes the buckets to the model's layers (`layer_numel`), where the
+    stock ones (50 M elements to prefetch, 1 B live) were set for models of another shape: fetch the next two
+    layers while one computes, keep at most four live, reduce one layer's gradients per bucket, and overlap the
+    reduction and the copies with the computation."""
+
+    stage: int = 3
+    tuned: bool = False
+    layer_numel: int = 0
+
+    def section(self, offload: dict[str, Any]) -> dict[str, Any]:
+        """The zero_optimization section of the config."""
+        zero: dict[str, Any] = {"stage": self.stage, "offload_optimizer": dict(offload)}
+        if self.stage == 3:
+            zero["offload_param"] = dict(offload)
+        if self.tuned:
+            if self.layer_numel <= 0:
+                raise ValueError("deepspeed: a tuned ZeRO needs the elements of one layer (layer_numel > 0)")
+            n = self.layer_numel
+            zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=n)
+            if self.stage == 3:
+                zero.update(stage3_prefetch_bucket_size=2 * n, stage3_max_live_parameters=4 * n,
+                            stage3_max_reuse_distance=4 * n, stage3_param_persistence_threshold=0)
+        return zero
+
+
+def zero_config(batch: int, accum: int, max_grad_norm: float | None, precision: str, zero: Zero = Zero()
+                ) -> dict[str, Any]:
     if precision not in PRECISIONS:
         raise ValueError(f"deepspeed: precision must be one of {PRECISIONS}, got {precision!r}")
+    if zero.stage not in (2, 3):
+        raise ValueError(f"deepspeed: ZeRO stage must be 2 or 3 (optimizer offload), got {zero.stage}")
     bf16: dict[str, Any] = {"enabled": True}
     if precision == "bf16":
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
@@ -66,7 +98,7 @@ def zero3_config(batch: int, accum: int, max_grad_norm: float | None, precision:
         "gradient_accumulation_steps": accum,
         "gradient_clipping": max_grad_norm or 0.0,  # 0 turns clipping off
         "bf16": bf16,
-        "zero_optimization": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload)},
+        "zero_optimization": zero.section(offload),
         "steps_per_print": 1 << 30,  # no periodic progress lines in the benchmark's output
         "wall_clock_breakdown": False,
     }
@@ -87,7 +119,7 @@ class ZeroRun:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, device: str, batch: int, accum: int,
                  max_grad_norm: float | None, precision: str, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, zero: Zero = Zero()) -> None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -105,13 +137,17 @@ class ZeroRun:
         t1 = time.perf_counter()
         _init_single_process("nccl" if device == "cuda" else "gloo")
         t2 = time.perf_counter()
-        config = zero3_config(batch, accum, max_grad_norm, precision)
+        config = zero_config(batch, accum, max_grad_norm, precision, zero)
         wrapped = _LossModule(model, loss_fn)
-        # Partitioned one parameter at a time; left to deepspeed.initialize, a host model is first
-        # moved to the device whole, which would put its full size into the measured GPU peak.
-        deepspeed.zero.Init(module=wrapped, config_dict_or_path=config, remote_device="cpu", pin_memory=True,
-                            dtype=torch.bfloat16)
-        _move_buffers(wrapped, torch.device(get_accelerator().current_device_name()))
+        here = torch.device(get_accelerator().current_device_name())
+        if zero.stage == 3:
+            # Partitioned one parameter at a time; left to deepspeed.initialize, a host model is first
+            # moved to the device whole, which would put its full size into the measured GPU peak.
+            deepspeed.zero.Init(module=wrapped, config_dict_or_path=config, remote_device="cpu", pin_memory=True,
+                                dtype=torch.bfloat16)
+            _move_buffers(wrapped, here)
+        else:  # ZeRO-2 keeps the weights on the device
+            wrapped.to(here)
         t3 = time.perf_counter()
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:

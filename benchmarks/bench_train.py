@@ -21,7 +21,9 @@ layer with the engine's own checkpoint (offload_ext.engine.recompute: torch's no
 bookkeeping) instead of HF's default (torch's checkpoint), to show what that alone is worth; offloaded modes
 always use it, and their ratios are to the resident mode without the suffix. The recipe suffixes, on
 offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but never triggering), clipall
-(max_grad_norm=1e-3, triggering every step), accumN (N micro-batches of batch/N rows, the same tokens
+(max_grad_norm=1e-3, triggering every step), clipreal (max_grad_norm=1.0, the usual setting: with --data embedded it
+clips where a pretraining run's first steps on real text do, and the row reports the fraction clipped), accumN (N
+micro-batches of batch/N rows, the same tokens
 per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
 the adapters trained), ckptnone / ckptN / ckptauto (activation_checkpointing "none", N, "auto": layers
 kept without recompute; resident modes take ckptnone only, and ckptN / ckptauto are compared with the
@@ -30,12 +32,18 @@ recipe when the run has one.
 The host busy column is the engine's stepping time per step; step minus busy is the time the host had
 nothing to step.
 
-deepspeed-precision[-recipe] (e.g. deepspeed-bf16, deepspeed-bf16-clipall, deepspeed-mixed-accum2) is
-DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory and DeepSpeedCPUAdam, one
+deepspeed-precision[-tuned][-recipe] (e.g. deepspeed-bf16, deepspeed-bf16-tuned-clipall, deepspeed-mixed-accum2) is
+DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory and DeepSpeedCPUAdam (tuned: its
+buckets and prefetch sized to the model's layers, overlap_comm; see _deepspeed.zero_config), deepspeed2-... the same
+with ZeRO-2, where only the optimizer is offloaded (the weights must fit on the GPU), one
 process on one GPU, under the same GPU cap, loss, checkpointing and AdamW settings (benchmarks/_deepspeed.py;
 bf16: bf16 masters and moments as native-bf16, mixed: DeepSpeed's stock fp32 masters as native-mixed).
 Below the table, each DeepSpeed mode's step time over the native mode of the same precision and recipe.
 A DeepSpeed mode that cannot run (not installed, initialize failed) shows the error in its row.
+
+torchao-bf16[-recipe] keeps the model on the GPU (checkpointed as resident-lean) and steps it with torchao's
+CPUOffloadOptimizer over torch's fused AdamW (gradients stay on the GPU until its step): the peer where the weights
+fit. Without torchao its row shows the ImportError.
 
     python benchmarks/bench_train.py                       # B1
     python benchmarks/bench_train.py --compile             # per-layer torch.compile
@@ -85,9 +93,10 @@ PRESETS = {
     "qwen-14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, batch=1,
                      seq=4096, untied=True, arch="qwen2"),
 }
-CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3}
+CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3, "clipreal": 1.0}
 # the mode suffixes without a number
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean")
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned")
+PEERS = ("deepspeed", "deepspeed2", "torchao")  # the other offloading libraries' modes
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,7 +107,7 @@ BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
 @dataclasses.dataclass(frozen=True)
 class Mode:
     name: str
-    backend: str                   # "resident", "python", "native" or "deepspeed"
+    backend: str                   # "resident", "python", "native", "deepspeed", "deepspeed2" or "torchao"
     precision: str = "bf16"
     options: tuple[str, ...] = ()  # tN, gN, dN, rN, drN, whole, sync, nospec, aoff, hostsum, lazy, onepass, lean
     clip: str | None = None        # a key of CLIP_NORMS
@@ -120,9 +129,10 @@ class Mode:
         ckpt = next((o[4:] for o in rest if o.startswith("ckpt")), "all")
         ckpt = int(ckpt) if ckpt.isdigit() else ckpt
         options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith(("accum", "lora", "ckpt")))
-        if backend == "deepspeed" and (options or lora or ckpt != "all" or precision not in _deepspeed.PRECISIONS):
-            raise SystemExit(f"bench_train: mode {name!r}: deepspeed takes a precision in {_deepspeed.PRECISIONS} "
-                             "and the clip and accum suffixes only")
+        if backend in PEERS and (set(options) - {"tuned"} or lora or ckpt != "all"
+                                 or precision not in _deepspeed.PRECISIONS):
+            raise SystemExit(f"bench_train: mode {name!r}: {backend} takes a precision in {_deepspeed.PRECISIONS}, "
+                             "the clip and accum suffixes and (deepspeed) tuned only")
         numbered = rf"({'|'.join(NUMBERED_OPTIONS)})\d+"
         unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(numbered, o)]
         if unknown:
@@ -179,6 +189,9 @@ def parse() -> argparse.Namespace:
                     help="synchronise after each forward and read each micro-batch's loss (the loop before run 61)")
     ap.add_argument("--batches", type=int, default=1, metavar="N",
                     help="step k trains on the k %% N-th of N batches drawn at the start (the same in every mode)")
+    ap.add_argument("--data", choices=("random", "embedded"), default="random",
+                    help="embedded: the batches are offload-train's embedded corpus (the standard library's source, "
+                         "its own BPE of up to 4096 tokens), so that clipreal's norm follows a real trajectory")
     ap.add_argument("--interleave", type=int, default=0, metavar="K",
                     help="set every mode up at once and run them in turns of an untimed lead-in step and K timed ones "
                          "(0: one mode after another); resident and offloaded modes, uncapped")
@@ -250,6 +263,32 @@ def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
     return model, TiledWeights(model, cfg.initializer_range)
 
 
+def corpus_batches(a: argparse.Namespace) -> torch.Tensor:
+    """--batches batches of the embedded corpus, consecutive --seq windows of its token stream (documents joined
+    by the end-of-text token), tokenized by offload-train's embedded tokenizer (cached where offload-train keeps it)."""
+    import tempfile
+
+    from offload_ext.train import data
+
+    max_bytes, vocab = 8 << 20, min(a.vocab, 4096)
+    if vocab < 512:  # a byte-level BPE has 257 tokens before its first merge
+        raise SystemExit(f"bench_train: --data embedded needs --vocab 512 or more, got {a.vocab}")
+    path = os.path.join(data.cache_dir() or tempfile.mkdtemp(), data.embedded_entry(max_bytes, vocab),
+                        "tokenizer.json")
+    texts = data.stdlib_corpus(max_bytes)
+    tok = data.train_tokenizer(None if os.path.exists(path) else texts, vocab, path)
+    need, ids = a.batches * a.batch * a.seq, []
+    for k in range(0, len(texts), 64):  # no more of the corpus than the batches take
+        for enc in tok.encode_batch(texts[k:k + 64]):
+            ids += enc.ids + [0]
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise SystemExit(f"bench_train: the embedded corpus has {len(ids):,} tokens, fewer than --batches x --batch "
+                         f"x --seq = {need:,}")
+    return torch.tensor(ids[:need]).view(a.batches, a.batch, a.seq)
+
+
 def _materialize(model: torch.nn.Module, weights: TiledWeights) -> None:
     for p in {id(p): p for p in model.parameters()}.values():
         if p.is_meta:  # LoRA adapters are real already
@@ -267,15 +306,16 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
            a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     """(model, Offloader or None, device optimizer or _deepspeed.ZeroRun or None) for `mode`, GPU memory
     capped for every offloaded mode (DeepSpeed's included)."""
-    if mode.backend in ("resident", "deepspeed"):
+    if mode.backend in ("resident", *PEERS):
         _materialize(model, weights)
     if a.device == "cuda":
         cap = a.gpu_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory if a.gpu_cap_gb else 1.0
-        uncapped = mode.backend == "resident" and not a.cap_resident
+        uncapped = mode.backend in ("resident", "torchao") and not a.cap_resident
         torch.cuda.set_per_process_memory_fraction(1.0 if uncapped else min(1.0, cap))
-    if mode.backend == "resident":
+    if mode.backend in ("resident", "torchao"):
         model.to(a.device)
-        if "lean" in mode.options:  # the engine's own checkpoint on each layer, nothing to fetch
+        # the engine's own checkpoint on each layer, nothing to fetch (torchao's rows are resident-lean's peers)
+        if "lean" in mode.options or mode.backend == "torchao":
             for layer in model.model.layers:
                 wrap_layer(layer, lambda: None, a.compile)
         elif mode.ckpt == "all":
@@ -284,15 +324,25 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
             for layer in model.model.layers:
                 layer.compile()
         trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:  # peft makes fp32 adapters; the engine trains them in bf16, as every other weight
+            p.data = p.data.to(torch.bfloat16)
+        if mode.backend == "torchao":
+            from torchao.optim import CPUOffloadOptimizer
+
+            return model, None, CPUOffloadOptimizer(trainable, torch.optim.AdamW, offload_gradients=False, fused=True,
+                                                    lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
         return model, None, torch.optim.AdamW(trainable, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                               fused=True)
-    if mode.backend == "deepspeed":
+    if mode.backend.startswith("deepspeed"):
         if a.compile:
             raise RuntimeError("deepspeed modes do not take --compile")
         offload_ext.enable_activation_checkpointing(model)
+        layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+        tuning = _deepspeed.Zero(stage=2 if mode.backend == "deepspeed2" else 3, tuned="tuned" in mode.options,
+                                 layer_numel=layer_numel)
         run = _deepspeed.ZeroRun(model, offload_ext.causal_lm_loss, device=a.device, batch=a.batch, accum=mode.accum,
                                  max_grad_norm=mode.max_grad_norm, precision=mode.precision, lr=a.lr, betas=BETAS,
-                                 eps=EPS, weight_decay=WEIGHT_DECAY)
+                                 eps=EPS, weight_decay=WEIGHT_DECAY, zero=tuning)
         return model, None, run
     off = offload_ext.Offloader(model, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                 precision=mode.precision, backend=mode.backend, device=a.device,
@@ -398,8 +448,8 @@ def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[st
         for k in range(a.warmup + a.steps):
             run.step(k)
         return run.finish()
-    except Exception as e:  # DeepSpeed's failures (import, op build, initialize, OOM); our memory check's
-        if mode.backend != "deepspeed" and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+    except Exception as e:  # a peer's failures (import, op build, initialize, OOM); our memory check's
+        if mode.backend not in PEERS and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
             raise
         traceback.print_exc()
         error = f"{type(e).__name__}: {e}"
@@ -410,7 +460,7 @@ def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[st
 
 
 def _release(mode: Mode, a: argparse.Namespace) -> None:
-    if mode.backend == "deepspeed":
+    if mode.backend.startswith("deepspeed"):
         _deepspeed.release()
     # A mode that failed half way leaves its model and Offloader in reference cycles (hooks, closures):
     # collected here, or the next mode found 13.7 GB of a 24 GB cap still taken (run 48).
@@ -611,7 +661,7 @@ def _deepspeed_lines(modes: list[Mode], rows: list[dict[str, Any]]) -> list[str]
     pairs = []
     for m, r in zip(modes, rows):
         peer = natives.get((m.precision, m.recipe))
-        if m.backend == "deepspeed" and peer and "error" not in r:
+        if m.backend.startswith("deepspeed") and peer and "error" not in r:
             r["time_ratio_vs_native"], r["native_peer"] = r["step_s"] / peer["step_s"], peer["mode"]
             pairs.append(f"{r['mode']} / {peer['mode']} = {r['time_ratio_vs_native']:.3f}x")
     return ["", "native vs DeepSpeed, same recipe (DeepSpeed step time / native step time): " + "; ".join(pairs)] \
@@ -641,8 +691,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in build_model(a)[0].parameters())
     # --batches N: step k trains on batch k % N (the first is the one a single batch has always been), so that a
     # long run does not learn its one batch by heart: clipall's norm fell under 1e-3 after ~24 steps (run 75).
-    tokens = torch.randint(0, a.vocab, (a.batches, a.batch, a.seq),
-                           generator=torch.Generator().manual_seed(0)).to(a.device)
+    tokens = (corpus_batches(a) if a.data == "embedded" else
+              torch.randint(0, a.vocab, (a.batches, a.batch, a.seq), generator=torch.Generator().manual_seed(0)))
+    tokens = tokens.to(a.device)
     family = "Qwen2" if a.arch == "qwen2" else "Llama"
     print(f"{a.preset.upper()}: {family} {a.layers} layers, hidden {a.hidden}, {n_params / 1e6:.0f} M params, batch "
           f"{a.batch} x {a.seq}, compile={a.compile}, GPU cap for offload {a.gpu_cap_gb} GB", flush=True)

@@ -282,6 +282,8 @@ print(" ".join(os.path.dirname(s.origin) for s in map(u.find_spec, names) if s a
     cuda-start)  # issue 12: a process's one-time GPU costs, in turn (twice: the machine's first CUDA processes), then overlapped
       for k in 1 2; do run "cuda_start_$k" env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py; done
       run cuda_start_overlap env PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/bench_cuda_start.py --overlap ;;
+    suite)  # issue 36: the performance suite; SUITE_ARGS: its arguments (default the B1 preset)
+      run suite python3 benchmarks/suite.py ${SUITE_ARGS:---preset b1} ;;
     sanitize) sanitize ;;  # compute-sanitizer over a few training steps (see sanitize() above)
     adamw-tune) run adamw_tune python3 benchmarks/bench_adamw.py --threads "$(nproc)" --tune --steps 5 ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -1,0 +1,297 @@
+"""The performance suite: every row of the performance tables measured by one command, each mode in its own
+process, the modes in turns, and the tables written from what it measured.
+
+    python benchmarks/suite.py --preset b1              # B1 (1.24 B, 4 x 2048): every recipe and every peer
+    python benchmarks/suite.py --preset b2 --only plain,clipreal   # some rows of B2 (8 B, 2 x 4096, 24 GB cap)
+    python benchmarks/suite.py --preset all --rounds 2
+    python benchmarks/suite.py --tables                 # rewrite the tables from the files their markers name
+
+A round runs every row once, each in a fresh `bench_train.py` process (--warmup and --steps of its own, on the
+embedded corpus, so that clipping at 1.0 follows a real run's first steps), a row next to the peer it is compared
+with; the next round runs them in the reverse order, so that no row always runs first. Every row keeps each
+round's step times, its GPU peak (torch's allocator) and its host RSS peak (the process's, from the kernel), and
+the GPU cap it ran under; a ratio is taken within each round, between a row and its peer of the same round, and
+the table shows each round's ratio: a headline holds when it holds in every round.
+
+The results go to `suite_<preset>.json` (and .md) in the run's directory (benchmarks/results/<date>_<commit>/),
+beside a `suite_<preset>/` folder of each process's own result file and log. The tables in docs/performance.md
+and the README sit between markers naming the file they were generated from; `--write` (after a run, or with
+--tables) points the markers at the new files and regenerates the text between them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import _common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_TRAIN = os.path.join(HERE, "bench_train.py")
+CAP_GB = 24.0  # the B2 rows' GPU cap for every offloading mode: a 24 GB card's
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row: a bench_train mode on a shape, the row it is compared with (`peer`), its GPU cap."""
+
+    key: str
+    shape: str
+    mode: str
+    peer: str | None = None
+    cap_gb: float | None = None
+    compile: bool = False
+
+
+def _pairs(shape: str, recipes: list[str], cap: float | None, prefix: str = "") -> list[Row]:
+    """For each recipe suffix, resident-lean (uncapped) and the engine with its defaults (capped)."""
+    rows = []
+    for recipe in recipes:
+        tail = f"-{recipe}" if recipe else ""
+        name = recipe or "plain"
+        rows.append(Row(f"{prefix}resident-{name}", shape, f"resident-lean{tail}"))
+        rows.append(Row(f"{prefix}{name}", shape, f"native-bf16{tail}", f"{prefix}resident-{name}", cap))
+    return rows
+
+
+def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
+    """The other offloading libraries on clip 1.0, each compared with the engine's clipreal row."""
+    rows = [Row("deepspeed-stock", shape, "deepspeed-bf16-clipreal", "clipreal", cap),
+            Row("deepspeed-tuned", shape, "deepspeed-bf16-tuned-clipreal", "clipreal", cap)]
+    if zero2:  # ZeRO-2 and torchao keep the weights on the GPU: where they fit
+        rows += [Row("deepspeed2-tuned", shape, "deepspeed2-bf16-tuned-clipreal", "clipreal", cap),
+                 Row("torchao", shape, "torchao-bf16-clipreal", "clipreal", cap)]
+    return rows
+
+
+B1_RECIPES = ["", "clipreal", "clipall", "accum2", "accum4"]
+PRESETS: dict[str, list[Row]] = {
+    "b1": [*_pairs("b1", B1_RECIPES, None),
+           Row("mixed", "b1", "native-mixed", "resident-plain"),
+           Row("compiled-resident", "b1", "resident-lean", compile=True),
+           Row("compiled", "b1", "native-bf16", "compiled-resident", compile=True),
+           *_peers("b1", None, zero2=True)],
+    "b2": [*_pairs("b2", B1_RECIPES, CAP_GB),
+           Row("mixed", "b2", "native-mixed", "resident-plain", CAP_GB),
+           *_peers("b2", CAP_GB, zero2=False)],
+    "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
+}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=[*PRESETS, "all"], help="the rows to measure")
+    ap.add_argument("--only", default=None, metavar="KEY,...",
+                    help="only these rows (their peers are added): e.g. plain,clipreal")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every row (each ratio is shown per round)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps of each row in each round")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the simulated device with --shape tiny, for a run of the suite itself")
+    ap.add_argument("--shape-args", default="", metavar="ARGS",
+                    help="bench_train shape flags for every row (e.g. '--layers 2 --hidden 64'): the smoke run's")
+    ap.add_argument("--out", default=None, help="the results directory (default: this run's under results/)")
+    ap.add_argument("--tables", action="store_true", help="regenerate the tables from the files they name")
+    ap.add_argument("--write", action="append", default=[], metavar="FILE",
+                    help="markdown files whose suite tables to rewrite (default: README.md and docs/performance.md)")
+    a = ap.parse_args()
+    if (a.preset is None) == (not a.tables):
+        ap.error("give --preset to measure, or --tables to regenerate the tables")
+    if a.rounds < 1 or a.steps < 1 or a.warmup < 0:
+        ap.error("--rounds and --steps take 1 or more, --warmup 0 or more")
+    return a
+
+
+def selected(preset: str, only: str | None) -> list[Row]:
+    """The preset's rows, or those named by `only` with the peers they are compared with, in the preset's order."""
+    rows = PRESETS[preset]
+    if only is None:
+        return rows
+    keys = set(only.split(","))
+    unknown = keys - {r.key for r in rows}
+    if unknown:
+        raise SystemExit(f"suite: {preset} has no row {sorted(unknown)[0]!r}; its rows: "
+                         f"{', '.join(r.key for r in rows)}")
+    by_key = {r.key: r for r in rows}
+    while True:
+        more = {by_key[k].peer for k in keys if by_key[k].peer} - keys
+        if not more:
+            return [r for r in rows if r.key in keys]
+        keys |= more
+
+
+def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
+    cmd = [sys.executable, BENCH_TRAIN, "--preset", row.shape, "--modes", row.mode, "--warmup", str(a.warmup),
+           "--steps", str(a.steps), "--batches", str(a.warmup + a.steps), "--data", "embedded", "--stem", stem,
+           "--device", a.device, *a.shape_args.split()]
+    if row.cap_gb:
+        cmd += ["--gpu-cap-gb", f"{row.cap_gb:g}"]
+    if row.compile:
+        cmd.append("--compile")
+    return cmd
+
+
+def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str, Any]:
+    """One process of one row: its bench_train row, with the host RSS peak the kernel recorded for it."""
+    stem = os.path.join(jobs, f"{row.key}-r{round_}")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the process's files stay in the jobs folder
+    with open(stem + ".log", "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(_command(row, a, stem), stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or not os.path.exists(stem + ".json"):
+        with open(stem + ".log") as f:
+            tail = " ".join(f.read().split()[-40:])
+        return {"error": f"bench_train exited {proc.returncode}: ... {tail}", "process_s": seconds}
+    with open(stem + ".json") as f:
+        result = json.load(f)
+    got = result["rows"][0]
+    got["host_rss_peak_gb"] = usage.ru_maxrss * 1024 / 1e9  # Linux gives kilobytes
+    got["process_s"] = seconds
+    got["args"] = result["args"]
+    return got
+
+
+def measure(rows: list[Row], a: argparse.Namespace, jobs: str) -> dict[str, list[dict[str, Any]]]:
+    """Every row, round after round, the order reversed every other round; each row's rounds in order."""
+    os.makedirs(jobs, exist_ok=True)
+    got: dict[str, list[dict[str, Any]]] = {r.key: [] for r in rows}
+    for k in range(a.rounds):
+        for row in rows if k % 2 == 0 else rows[::-1]:
+            result = run_row(row, a, jobs, k + 1)
+            got[row.key].append(result)
+            shown = f"{result['step_s']:.4f} s" if "error" not in result else result["error"][:200]
+            print(f"suite: round {k + 1} {row.key:20s} {row.mode:32s} {shown}", flush=True)
+    return got
+
+
+def summarise(rows: list[Row], got: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each row's figures: the median over all its timed steps, each round's median, the ratio to its peer in
+    each round, and the peaks (the highest of its rounds)."""
+    out = []
+    for row in rows:
+        rounds = got[row.key]
+        entry: dict[str, Any] = {**dataclasses.asdict(row), "rounds": rounds}
+        errors = [r["error"] for r in rounds if "error" in r]
+        if errors:
+            entry["error"] = errors[0]
+            out.append(entry)
+            continue
+        steps = [t for r in rounds for t in r["step_times_s"]]
+        entry.update(step_s=statistics.median(steps), round_step_s=[r["step_s"] for r in rounds],
+                     tokens_per_s=statistics.median(r["tokens_per_s"] for r in rounds),
+                     gpu_peak_gb=max((r["gpu_peak_gb"] or 0.0) for r in rounds) or None,
+                     host_rss_peak_gb=max(r["host_rss_peak_gb"] for r in rounds),
+                     clipped_fraction=_mean([r["clipped_fraction"] for r in rounds]))
+        peer = next((p for p in out if p["key"] == row.peer), None)
+        if peer is not None and "error" not in peer:
+            entry["round_ratio"] = [r["step_s"] / p for r, p in zip(rounds, peer["round_step_s"])]
+        out.append(entry)
+    return out
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+# ---------------------------------------------------------------------------------------------- the tables
+
+_MARK = re.compile(r"<!-- suite-table:begin (\S+) -->\n.*?<!-- suite-table:end -->", re.DOTALL)
+
+
+def _gb(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | vs peer, each round | GPU peak GB | "
+             "host RSS peak GB | clipped |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        cap = f"{r['cap_gb']:g} GB" if r["cap_gb"] else "none"
+        mode = f"`{r['mode']}`" + (" compiled" if r["compile"] else "")
+        if "error" in r:
+            reason = " ".join(r["error"].split())[:160].replace("|", "\\|")
+            lines.append(f"| {r['key']} | {mode} | {cap} | not run: {reason} | | | | | |")
+            continue
+        rounds = ", ".join(f"{t:.4f}" for t in r["round_step_s"])
+        vs = (", ".join(f"{x:.3f}x" for x in r["round_ratio"]) + f" ({r['peer']})") if r.get("round_ratio") else "-"
+        clipped = "-" if r["clipped_fraction"] is None else f"{r['clipped_fraction']:.0%}"
+        lines.append(f"| {r['key']} | {mode} | {cap} | {r['step_s']:.4f} ({rounds}) | {r['tokens_per_s']:,.0f} | "
+                     f"{vs} | {_gb(r['gpu_peak_gb'])} | {_gb(r['host_rss_peak_gb'])} | {clipped} |")
+    return "\n".join(lines)
+
+
+def table(path: str, base: str) -> str:
+    """The table of one suite file (`path` relative to the repository), with what it ran on and a link to it
+    relative to the directory `base` of the file it goes into."""
+    with open(os.path.join(_common.REPO_DIR, path)) as f:
+        result = json.load(f)
+    machine, args = result["machine"], result["args"]
+    link = os.path.relpath(os.path.join(_common.REPO_DIR, path), os.path.join(_common.REPO_DIR, base))
+    head = (f"{result['preset']}: {args['warmup']} warm-up and {args['steps']} timed steps per row and round, "
+            f"{args['rounds']} rounds; {result['date'][:10]}, commit {result['commit']}, "
+            f"{machine.get('gpu') or 'CPU'} ({machine.get('usable_cpus', '?')}-core host, "
+            f"{machine.get('mem_total_gb', '?')} GB RAM); [{os.path.basename(path)}]({link})")
+    return head + "\n\n" + rows_table(result["rows"])
+
+
+def rewrite(text: str, base: str, new: dict[str, str] | None = None) -> str:
+    """`text` (a file in the directory `base`) with each suite table regenerated from the file its marker names
+    (`new`: preset -> file, for the markers of those presets to name first)."""
+    def one(match: re.Match) -> str:
+        path = match[1]
+        with open(os.path.join(_common.REPO_DIR, path)) as f:
+            preset = json.load(f)["preset"]
+        path = (new or {}).get(preset, path)
+        return f"<!-- suite-table:begin {path} -->\n{table(path, base)}\n<!-- suite-table:end -->"
+    return _MARK.sub(one, text)
+
+
+def write_tables(files: list[str], new: dict[str, str] | None = None) -> None:
+    for name in files:
+        path = os.path.join(_common.REPO_DIR, name)
+        with open(path) as f:
+            text = f.read()
+        changed = rewrite(text, os.path.dirname(name), new)
+        if changed != text:
+            with open(path, "w") as f:
+                f.write(changed)
+            print(f"suite: rewrote the suite tables in {name}")
+
+
+def main() -> None:
+    a = parse()
+    targets = a.write or ["README.md", "docs/performance.md"]
+    if a.tables:
+        write_tables(targets)
+        return
+    presets = list(PRESETS) if a.preset == "all" else [a.preset]
+    written: dict[str, str] = {}
+    for preset in presets:
+        rows = selected(preset, a.only if a.preset != "all" else None)
+        out = a.out or _common.run_dir(_common.git_commit(), datetime.datetime.now(datetime.timezone.utc))
+        got = measure(rows, a, os.path.join(out, f"suite_{preset}"))
+        summary = summarise(rows, got)
+        payload = {"preset": preset, "args": {k: v for k, v in vars(a).items() if k != "write"}, "rows": summary}
+        markdown = rows_table(summary)
+        paths = _common.write_results(f"suite_{preset}", payload, markdown, out_dir=out)
+        written[preset] = os.path.relpath(paths[0], _common.REPO_DIR)
+        print(markdown, flush=True)
+    if a.device == "cuda" and not a.out:
+        write_tables(targets, written)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The performance suite: each row in a process of its own, rounds in alternating order, ratios per round against
+the peer of the same round, and tables regenerated from the file their markers name."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import suite  # noqa: E402
+
+TINY = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 512 --batch 2 --seq 16"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("suite")
+    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "clipreal", "--rounds", "2",
+                    "--warmup", "1", "--steps", "2", "--device", "cpu", "--shape-args", TINY, "--out", str(out)],
+                   check=True, capture_output=True, cwd=out)
+    return out, json.loads((out / "suite_b1.json").read_text())
+
+
+def test_a_row_brings_its_peer_and_each_round_runs_each_row_in_a_process_of_its_own(measured) -> None:
+    out, result = measured
+    rows = {r["key"]: r for r in result["rows"]}
+    assert list(rows) == ["resident-clipreal", "clipreal"]  # the peer came with the row asked for
+    ours, peer = rows["clipreal"], rows["resident-clipreal"]
+    assert sorted(p.name for p in (out / "suite_b1").glob("*.json")) == [
+        "clipreal-r1.json", "clipreal-r2.json", "resident-clipreal-r1.json", "resident-clipreal-r2.json"]
+    assert [len(r["step_times_s"]) for r in ours["rounds"]] == [2, 2]
+    assert ours["round_ratio"] == [a / b for a, b in zip(ours["round_step_s"], peer["round_step_s"])]
+    assert all(r["host_rss_peak_gb"] > 0.1 for r in (ours, peer))  # the child's own peak, from the kernel
+    assert ours["clipped_fraction"] is not None and ours["cap_gb"] is None
+
+
+def test_both_sides_train_the_same_real_text_under_clip_one(measured) -> None:
+    rows = {r["key"]: r for r in measured[1]["rows"]}
+    ours, peer = rows["clipreal"]["rounds"][0], rows["resident-clipreal"]["rounds"][0]
+    assert ours["args"]["data"] == "embedded" and ours["mode"] == "native-bf16-clipreal"
+    # bf16 on both sides, one step's rounding apart at most: the first loss is the same batch's
+    assert ours["losses"][0] == pytest.approx(peer["losses"][0], rel=1e-2)
+
+
+def test_a_marked_table_is_regenerated_from_the_file_its_marker_names(measured, tmp_path, monkeypatch) -> None:
+    out, _ = measured
+    monkeypatch.setattr(suite._common, "REPO_DIR", str(out))
+    doc = out / "docs" / "perf.md"
+    doc.parent.mkdir()
+    doc.write_text("before\n<!-- suite-table:begin suite_b1.json -->\nstale\n<!-- suite-table:end -->\nafter\n")
+    suite.write_tables(["docs/perf.md"])
+    text = doc.read_text()
+    assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "[suite_b1.json](../suite_b1.json)" in text and "| clipreal | `native-bf16-clipreal` | none |" in text
+    assert suite.rewrite(text, "docs") == text  # regenerating again changes nothing
+
+
+def test_an_unknown_row_is_refused_naming_the_rows_there_are() -> None:
+    with pytest.raises(SystemExit, match="b2 has no row 'fast'; its rows: resident-plain, plain"):
+        suite.selected("b2", "fast")
