@@ -17,7 +17,10 @@ import torch
 
 from offload_ext.models.lora import add_lora
 from offload_ext.models.weights import from_config_empty
-from offload_ext.planning.plan import plan
+from offload_ext.planning.auto_layout import choose_layout
+from offload_ext.planning.choices import Settings
+from offload_ext.planning.param_groups import build_groups
+from offload_ext.planning.plan import machine, plan
 from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import checkpoint_manifest, errors, interrupt, prior_run
 from offload_ext.train import data as data_mod
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warmup.join()  # before the memory plan measures the GPU's free memory
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
+    _resolve_layout(args, model, device, resume_from)
     if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
         memory = _plan(args, model, device)
         if not memory.fits:
@@ -187,6 +191,37 @@ def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device
         raise UsageError(str(exc)) from exc
 
 
+def _resolve_layout(args: argparse.Namespace, model: torch.nn.Module, device: torch.device,
+                    resume_from: checkpoint_manifest.Checkpoint | None) -> None:
+    """--resident-layers / --device-layers auto as numbers: a resumed run's from its checkpoint, a new one's from
+    the memory plan of its batch; printed as the flags that reproduce it, and recorded so in its checkpoints."""
+    auto = [k for k in prior_run.AUTO_FLAGS if getattr(args, k) == "auto"]
+    if not auto:
+        return
+    if args.backend == "none":
+        raise UsageError("--resident-layers and --device-layers lay out the offload engine: --backend none has none")
+    if resume_from is not None:
+        chosen = {k: resume_from.manifest["args"][k] for k in auto}
+        reason = "the checkpoint's"
+    else:
+        fixed = argparse.Namespace(**{**vars(args), "resident_layers": 0 if "resident_layers" in auto else
+                                      args.resident_layers, "device_layers": 2})
+        c = train_config(fixed, device)
+        settings = Settings(c.offload, batch_size=args.batch_size, seq_len=args.seq_len,
+                            loss_chunk_tokens=c.loss_chunk_tokens, loss_kernel=c.loss_kernel)
+        _, group_of = build_groups(model, None, c.no_decay)
+        choice = choose_layout(model, settings, machine(device, args.host_memory, args.gpu_memory, model), group_of,
+                               resident=None if "resident_layers" in auto else args.resident_layers)
+        chosen = {k: getattr(choice, k) for k in auto}
+        reason = choice.reason
+    for key, value in chosen.items():
+        setattr(args, key, value)
+    run_flags(args).update(chosen)
+    if dist_rank() == 0:
+        print(f"offload-train: layout --resident-layers {args.resident_layers} --device-layers {args.device_layers} "
+              f"({reason})", flush=True)
+
+
 def _planned_device(args: argparse.Namespace) -> torch.device:
     """The device a dry run plans for: a CUDA one even where there is none (its size from --gpu-memory)."""
     if args.device == "cpu-sim":
@@ -213,7 +248,9 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
     apply_defaults(args, device.type == "cuda")
     check_loss_chunk(args)
     model, _ = from_config_empty(model_config(args, planned_vocab(args)), seed=args.seed)
-    memory = _plan(args, _with_lora(args, model), device)
+    model = _with_lora(args, model)
+    _resolve_layout(args, model, device, None)
+    memory = _plan(args, model, device)
     print(memory, flush=True)
     if not memory.fits:
         raise UsageError(memory.refusal())

@@ -28,6 +28,16 @@ CPU), the Python standard library's own sources as text, and a BPE tokenizer tra
 _ACCUMULATE_ON = {"auto": None, "device": True, "host": False}
 
 
+def _count_or_auto(value: str) -> str | int:
+    """A number of layers, or "auto" (chosen from the memory plan once the model is known)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'auto', got {value!r}") from None
+
+
 def _checkpointing(value: str) -> str | int:
     """--activation-checkpointing's value: a name, or a number of layers."""
     return int(value) if value.isdigit() else value
@@ -68,11 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 on a GPU, 64 on a CPU")
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--resident-layers", type=int, default=0,
-                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload)")
-    ap.add_argument("--device-layers", type=int, default=2,
+    ap.add_argument("--resident-layers", type=_count_or_auto, default=0, metavar="N|auto",
+                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload); auto: as many "
+                         "as the memory plan of the batch fits on this GPU, the layout printed with its reason")
+    ap.add_argument("--device-layers", type=_count_or_auto, default=2, metavar="N|auto",
                     help="layer buffers on the GPU per stack (offload): with one per layer the weights stay there "
-                         "between a step's micro-batches instead of streaming twice in each")
+                         "between a step's micro-batches instead of streaming twice in each; auto: one per streamed "
+                         "layer when the plan fits them, after the resident layers")
     ap.add_argument("--accumulate-on", choices=("auto", "device", "host"), default="auto",
                     help="where --grad-accum's micro-batches are summed (offload): on the GPU, one gradient copy "
                          "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "

@@ -45,7 +45,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     torch with a traceback (a ZeroDivisionError, an optimizer's ValueError)."""
     for name, (least, unit) in _WHOLE_NUMBERS.items():
         value = getattr(args, name, None)
-        if value is not None and value < least:
+        if value is not None and value != "auto" and value < least:
             raise UsageError(f"{_flag(name)} must be at least {least} ({unit}), got {value}")
     if args.seed >= _SEED_END:
         raise UsageError(f"--seed must be below 2**32 ({_SEED_END}), got {args.seed}")

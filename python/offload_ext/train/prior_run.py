@@ -27,6 +27,8 @@ RESUME_FLAGS = ("model", "pretrained", "backend", "precision", "batch_size", "se
                 "resident_layers", "device_layers", "offload_all", "accumulate_on", "lora_r", "lora_alpha",
                 "lora_targets", "max_grad_norm", "weight_decay", "no_decay", "lr", "warmup_steps", "steps", "seed",
                 "dataset", "text_field", "split", "tokenizer", "streaming", "task")
+# Flags whose "auto" a run resolves and records as numbers: a resume with "auto" takes the checkpoint's.
+AUTO_FLAGS = ("resident_layers", "device_layers")
 
 
 def checkpoints_dir(out: str) -> str:
@@ -76,7 +78,7 @@ def check_flags(ckpt: Checkpoint, args: dict[str, Any]) -> None:
     """CheckpointError naming the first flag whose value differs from the checkpoint's run."""
     saved = ckpt.manifest.get("args", {})
     for key in RESUME_FLAGS:
-        if key in saved and saved[key] != args.get(key):
+        if key in saved and saved[key] != args.get(key) and not (key in AUTO_FLAGS and args.get(key) == "auto"):
             flag = "--" + key.replace("_", "-")
             if key == "steps":
                 raise CheckpointError(
