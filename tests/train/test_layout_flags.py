@@ -53,7 +53,8 @@ def test_a_resume_with_auto_continues_with_the_checkpoints_layout(tmp_path, caps
 def test_auto_on_the_simulated_device_records_the_plain_layout_in_the_checkpoint(tmp_path, capsys) -> None:
     out = str(tmp_path / "run")
     train.run(train.parse_args(["--out", out, *RUN, "--resident-layers", "auto"]))
-    assert "offload-train: layout --resident-layers 0 --device-layers 2 (no GPU memory figure" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "offload-train: layout --resident-layers 0 --device-layers 2 (no GPU memory figure" in printed
     _, path = prior_run.complete_checkpoints(out)[-1]
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["args"]["resident_layers"] == 0
