@@ -92,6 +92,11 @@ PRESETS = {
     # Qwen2.5-14B's shape: a Qwen2 model (biased q/k/v projections), rope theta 1e6
     "qwen-14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, batch=1,
                      seq=4096, untied=True, arch="qwen2"),
+    # Mistral-Small-24B's shape (heads 128 wide) and Llama-3.1-70B's, as offload-train builds them
+    "mistral-24b": dict(layers=40, hidden=5120, intermediate=32768, heads=32, kv_heads=8, vocab=131072, batch=1,
+                        seq=4096, untied=True, head_dim=128),
+    "llama-70b": dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256, batch=1,
+                      seq=4096, untied=True),
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3, "clipreal": 1.0}
 # the mode suffixes without a number
@@ -163,7 +168,7 @@ class Mode:
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="b1", help="shape defaults (flags below override)")
-    for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab", "batch", "seq"):
+    for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "head-dim", "vocab", "batch", "seq"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--untied", action="store_true", default=None, help="untied embeddings (B2's default)")
     ap.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="the model class (qwen-14b: qwen2)")
@@ -257,7 +262,8 @@ def build_model(a: argparse.Namespace) -> tuple[torch.nn.Module, TiledWeights]:
     cfg = config_cls(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                      max_position_embeddings=max(a.seq, 128), tie_word_embeddings=not a.untied,
-                     rope_theta=1e6 if a.arch == "qwen2" else 500000.0, use_cache=False)
+                     rope_theta=1e6 if a.arch == "qwen2" else 500000.0, use_cache=False,
+                     **({"head_dim": a.head_dim} if a.head_dim else {}))
     with offload_ext.parameters_on_meta():
         model = model_cls(cfg)
     return model, TiledWeights(model, cfg.initializer_range)

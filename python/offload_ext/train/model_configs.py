@@ -17,7 +17,12 @@ BUILTIN = {
     "llama-1b": (2048, 16, 32, 8, 8192, True, 8192, 128256),
     "llama-8b": (4096, 32, 32, 8, 14336, False, 8192, 128256),  # Llama-3.1-8B's shape
     "qwen-14b": (5120, 48, 40, 8, 13824, False, 8192, 152064),  # Qwen2.5-14B's shape (a Qwen2 model)
+    "mistral-24b": (5120, 40, 32, 8, 32768, False, 8192, 131072),  # Mistral-Small-24B's shape
+    "llama-70b": (8192, 80, 64, 8, 28672, False, 8192, 128256),  # Llama-3.1-70B's shape
 }
+# Config fields a built-in's shape has beyond the tuple: Mistral-Small's heads are 128 wide (not hidden / heads),
+# its rope base 1e8; without a sliding window its layers are Llama's.
+_EXTRA = {"mistral-24b": {"head_dim": 128, "rope_theta": 1e8}}
 SMALL_BUILTINS = {"tiny", "small"}  # the built-ins whose default learning rate is 3e-3
 _QWEN2 = {"qwen-14b"}  # built as Qwen2 (biased q/k/v projections, rope theta 1e6); the rest as Llama
 
@@ -72,8 +77,9 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
         return (Qwen2Config if qwen else LlamaConfig)(
             vocab_size=max(vocab_size, model_vocab or 0), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=tied,
-            max_position_embeddings=max(2048, args.seq_len), rope_theta=1e6 if qwen else 500000.0, use_cache=False,
-            **_special_ids(args))
+            max_position_embeddings=max(2048, args.seq_len), **{"rope_theta": 1e6 if qwen else 500000.0,
+                                                                  **_EXTRA.get(args.model, {})},
+            use_cache=False, **_special_ids(args))
     try:
         cfg = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
