@@ -419,3 +419,16 @@ def test_plan_takes_the_offloaders_config_and_its_keywords() -> None:
     assert by_config.host_pinned == by_keywords.host_pinned and by_config.host_pageable == by_keywords.host_pageable
     with pytest.raises(TypeError, match="plan: unknown option 'device_layer'"):
         offload_ext.plan(tiny_llama(layers=2), device="cpu", device_layer=3)
+
+
+def test_the_plan_gives_the_host_bytes_per_parameter_of_each_precision_with_and_without_clipping() -> None:
+    model = _meta_llama(layers=4, hidden=256)
+    params = sum(p.numel() for p in model.parameters())
+    memory = offload_ext.plan(model, device="cpu", host_memory="100GB")
+    rows = {precision: (plain, clip) for precision, plain, clip in memory.host_per_param}
+    assert list(rows) == ["bf16", "bf16-sr", "mixed"]
+    assert rows["bf16"][0] == memory.host_total / params  # the plan's own setting is its buffers' total
+    clipped = offload_ext.plan(model, device="cpu", host_memory="100GB", precision="mixed", max_grad_norm=1.0)
+    assert rows["mixed"][1] == clipped.host_total / params  # every unit speculating: the host has room for all
+    assert all(plain < clip for plain, clip in rows.values()) and rows["bf16"][0] < rows["mixed"][0]
+    assert "engine buffers per parameter (bytes), by precision" in str(memory)

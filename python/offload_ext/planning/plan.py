@@ -7,6 +7,7 @@ The figures are memory_plan's: the same decisions and host blocks a real Offload
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.config import OffloadConfig, check_hyper, parse_size, resolve_device
+from offload_ext.config import PRECISIONS, OffloadConfig, check_hyper, parse_size, resolve_device
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.planning import host_sizes
 from offload_ext.planning.choices import EngineChoices, Settings, check_checkpointing
@@ -112,7 +113,21 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
                       machine.gpu_available,
                       machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
                       tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),
-                      host_activation_bytes(model, settings, ev.choices))
+                      host_activation_bytes(model, settings, ev.choices),
+                      host_bytes_per_param(model, settings, machine, group_of))
+
+
+def host_bytes_per_param(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf
+                         ) -> tuple[tuple[str, float, float], ...]:
+    """(precision, without clipping, with max_grad_norm) for each precision: the engine's host buffers per
+    parameter of the model, every unit speculating under clipping (what a host with room for all of it holds)."""
+    unbounded = dataclasses.replace(machine, host_available=None)
+    params = sum(p.numel() for p in model.parameters())
+
+    def per_param(precision: str, clip: float | None) -> float:
+        changed = settings.with_changes(precision=precision, max_grad_norm=clip)
+        return evaluate(model, changed, unbounded, group_of).host.need.total / params
+    return tuple((p, per_param(p, None), per_param(p, 1.0)) for p in PRECISIONS)
 
 
 def machine(device: str | torch.device = "cuda", host_memory: int | str | None = None,

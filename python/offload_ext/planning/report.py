@@ -42,6 +42,8 @@ class MemoryPlan:
     reasons: tuple[str, ...]
     options: tuple[str, ...]
     host_activations: int = 0  # activation_offload's host slots: one input per checkpointed layer
+    # (precision, without clipping, with clipping): the engine's host buffers per parameter, every unit speculating
+    host_per_param: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def host_pinned(self) -> int:
@@ -125,6 +127,10 @@ class MemoryPlan:
                     if self.host_activations else []),
                   _row("  expected peak RSS", "", _gb(self.host_peak_rss)),
                   _row("  available to the engine buffers", "", _gb(self.host_available))]
+        if self.host_per_param:
+            lines.append(_row("  engine buffers per parameter (bytes), by precision", "no clip", "clip"))
+            lines += [_row(f"    {precision}", f"{plain:.1f}", f"{clip:.1f}")
+                      for precision, plain, clip in self.host_per_param]
         return lines
 
     def _gpu_lines(self) -> list[str]:
