@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from offload_ext.models.quantized_base import BASE_DTYPES
+
 # "bf16": bf16 params and moments, rounded to nearest; "bf16-sr": the same buffers, params and exp_avg_sq
 # rounded stochastically (offload_ext.optim.stochastic_rounding); "mixed": fp32 master and moments, bf16 params
 # for the device.
@@ -162,6 +164,10 @@ class OffloadConfig:
                                          _budget, cli="--gpu-memory-budget")
     offload_all: bool = knob(False, "stream the parts outside the layer stacks too (embeddings, head)",
                              "True or False", _bool, cli="--offload-all")
+    base_dtype: str | None = knob(None, "hold the streamed layers' frozen linear weights (LoRA's base) in this format "
+                                  "on the host and in the copies, dequantized to bf16 on the device before each "
+                                  "layer runs (None: bf16)", "None, 'int8', 'fp8' or 'nf4'",
+                                  lambda v: v is None or v in BASE_DTYPES, cli="--base-dtype")
     compile_layers: bool = knob(False, "torch.compile each streamed layer", "True or False", _bool, cli="--compile")
     sr_seed: int = knob(0, "the stochastic-rounding stream's seed (precision 'bf16-sr')", "an int >= 0", _int(0),
                         cli="--seed")
@@ -172,6 +178,11 @@ class OffloadConfig:
         if isinstance(self.gpu_memory_budget, str):  # "20GB": a size as the CLI takes it
             object.__setattr__(self, "gpu_memory_budget", parse_size(self.gpu_memory_budget))
         _validate(self)
+        if self.base_dtype is not None and self.activation_checkpointing != "all":
+            # a kept layer's saved weights would be the one dequantized copy the next layer overwrites
+            raise ValueError(f"OffloadConfig.base_dtype={self.base_dtype!r} needs activation_checkpointing='all' "
+                             f"(got {self.activation_checkpointing!r}): each layer's base is dequantized into one "
+                             "buffer per stack as it runs, which a kept layer would need until its backward")
 
     @classmethod
     def from_options(cls, config: OffloadConfig | None = None, owner: str = "Offloader", **options: Any

@@ -336,3 +336,20 @@ def test_the_machines_cache_off_or_unwritable_leaves_each_run_to_tokenize(tmp_pa
     tokens = _stream_of(tmp_path / "b", monkeypatch, blocked / "cache")[0]
     assert "could not cache the tokenized corpus" in capsys.readouterr().out
     assert len(tokens) > 0 and not os.path.exists(blocked / "cache")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_lora_on_a_quantized_base_resumes_exactly_and_base_dtype_needs_lora(tmp_path, fmt, capsys) -> None:
+    pytest.importorskip("peft")
+    trained = str(tmp_path / "trained")
+    train.run(train.parse_args(["--out", trained, *FAST]))
+    lora = ["--model", os.path.join(trained, "latest"), "--pretrained", "--lora-r", "4", "--base-dtype", fmt,
+            "--device", "cpu-sim", "--backend", "native", "--batch-size", "4", "--seq-len", "32", "--steps", "4"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    train.run(train.parse_args(["--out", straight, *lora]))
+    train.run(train.parse_args(["--out", split, *lora, "--stop-after", "2"]))
+    train.run(train.parse_args(["--out", split, *lora, "--resume"]))
+    assert [r["loss"] for r in _metrics(split)] == [r["loss"] for r in _metrics(straight)]
+    capsys.readouterr()
+    _fails(["--out", str(tmp_path / "full"), "--device", "cpu-sim", "--base-dtype", fmt],
+           f"--base-dtype {fmt} quantizes the frozen base of a LoRA run: add --lora-r R", capsys)

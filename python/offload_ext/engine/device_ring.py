@@ -12,6 +12,10 @@ have, not for the layer before it as well (which made copy and compute take turn
 without recompute, one slot per layer, forward 88 ms against 53). Anything else bound to the
 buffer in between drops the mark, since its kernels come after it.
 
+A layer whose frozen base is held quantized (base_dtype) is copied up in that form and dequantized at each bind
+into one bf16 buffer per ring, which its base parameters are views of: layers run one after another on the
+compute stream, and with every layer recomputed nothing keeps a layer's dequantized weights past its backward.
+
 With a buffer per position (`eager`: and steps no clipping can redo), a layer's new weights go up as soon as
 its host step is done, still inside the backward that produced its gradients (its buffer is free once they
 are out), instead of when the next forward binds it. After the short last backward of an accumulation the
@@ -25,7 +29,18 @@ from typing import Any
 
 from offload_ext.engine.backends import Backend, LayerBuffers
 from offload_ext.engine.timeline import Timeline
-from offload_ext.planning.layout import Part
+from offload_ext.models.quantized_base import dequantize
+from offload_ext.planning.layout import Part, Span, Unit
+
+
+def _dequantized_places(unit: Unit) -> list[tuple[Span, int]]:
+    """The unit's quantized spans, each with its start in the ring's dequantized buffer (one after another)."""
+    places, start = [], 0
+    for s in unit.spans:
+        if s.quant is not None:
+            places.append((s, start))
+            start += s.numel
+    return places
 
 
 class DeviceRing:
@@ -36,6 +51,10 @@ class DeviceRing:
         self.backend = backend
         largest = max(u.numel for u in self.units)
         self.buffers = [backend.device_buffer(largest) for _ in range(buffers)]
+        # per position: (span, where its values go in the dequantized buffer) of each weight held quantized
+        self.quantized = [_dequantized_places(u) for u in self.units]
+        widest = max((start + s.numel for places in self.quantized for s, start in places), default=0)
+        self.dequantized = backend.device_buffer(widest) if widest else None
         self.holds: list[int | None] = [None] * buffers  # per buffer: the position whose weights it holds
         self.filled: list[Any] = [None] * buffers        # per buffer: the copy that filled it
         self.wanted: list[tuple[int, Any] | None] = [None] * buffers  # per buffer: (position, compute mark)
@@ -77,11 +96,16 @@ class DeviceRing:
         self.backend.compute_wait(self.filled[b])
         if self.timeline is not None:
             self.timeline.mark("python", f"bind u{self.units[i].index}", time.monotonic_ns(), unit=self.units[i].index)
+        buf = self.buffers[b]
         if not self.pointed[i]:
-            buf = self.buffers[b]
+            places = dict((id(s), start) for s, start in self.quantized[i])
             for s in self.units[i].spans:
-                s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+                at, src = (places[id(s)], self.dequantized) if s.quant else (s.offset, buf)
+                s.param.data = src[at:at + s.numel].view(s.shape)
             self.pointed[i] = True
+        for s, start in self.quantized[i]:  # after the copy is waited for, on the stream the layer runs on
+            dequantize(s.quant, s.shape, buf[s.offset:s.offset + s.stored], self.dequantized[start:start + s.numel]
+                       .view(s.shape))
 
     def prefetch(self, i: int) -> None:
         """Load position i ahead of its use, unless it is resident or its host step is still running (then

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from offload_ext.engine.backends import LayerBuffers
+from offload_ext.models.quantized_base import dequantize
 from offload_ext.models.safetensors_io import SafetensorsCheckpoint, TensorSource
-from offload_ext.planning.layout import Layout
+from offload_ext.planning.layout import Layout, Span
 
 _HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
 
@@ -88,24 +89,33 @@ def check_state(state: dict[str, Any], precision: str, spans: list[list[str]], g
                          "another model); build the Offloader with the same groups / no_decay as the saved one")
 
 
-def _streamed_views(layout: Layout, host: list[LayerBuffers]) -> dict[int, torch.Tensor]:
-    """Per streamed parameter (by id), the view of its span in its unit's live host params."""
-    return {id(s.param): host[unit.index].params[s.offset:s.offset + s.numel].view(s.shape)
-            for unit in layout.units for s in unit.spans}
+def _streamed_values(layout: Layout, host: list[LayerBuffers]) -> dict[int, Callable[[], torch.Tensor]]:
+    """Per streamed parameter (by id), what gives its values: the view of its span in its unit's live host params,
+    or for a weight held quantized, a new bf16 tensor dequantized from it."""
+    def value(span: Span, params: torch.Tensor) -> Callable[[], torch.Tensor]:
+        stored = params[span.offset:span.offset + span.stored]
+        if span.quant is None:
+            return lambda: stored.view(span.shape)
+
+        def dequantized() -> torch.Tensor:
+            out = torch.empty(span.shape, dtype=torch.bfloat16)
+            dequantize(span.quant, span.shape, stored, out)
+            return out
+        return dequantized
+    return {id(s.param): value(s, host[unit.index].params) for unit in layout.units for s in unit.spans}
 
 
 def weight_sources(model: nn.Module, layout: Layout, host: list[LayerBuffers]) -> list[tuple[str, TensorSource]]:
     """The model's state_dict entries by name, each tensor once (a tied one under its first name), as
     sources that give each value when asked: a view of its host span, or a CPU copy of a device tensor."""
-    streamed = _streamed_views(layout, host)
+    streamed = _streamed_values(layout, host)
     out, seen = [], set()
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameter objects themselves
         if id(t) in seen:
             continue
         seen.add(id(t))
         if id(t) in streamed:
-            view = streamed[id(t)]
-            out.append((name, TensorSource(view.dtype, tuple(view.shape), lambda v=view: v)))
+            out.append((name, TensorSource(torch.bfloat16, tuple(t.shape), streamed[id(t)])))
         else:
             out.append((name, TensorSource(t.dtype, tuple(t.shape), lambda t=t: t.detach().cpu().contiguous())))
     return out
@@ -115,12 +125,12 @@ def model_weights(model: nn.Module, layout: Layout, host: list[LayerBuffers],
                   include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The model's weights by name as CPU tensors: streamed ones copied from the host buffers; with
     `include`, only the names it accepts."""
-    streamed = _streamed_views(layout, host)
+    streamed = _streamed_values(layout, host)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if include is None or include(name):
             # copy=True: on the simulated device .cpu() would hand out the live tensor itself.
-            out[name] = streamed[id(p)].clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
+            out[name] = streamed[id(p)]().clone() if id(p) in streamed else p.detach().to("cpu", copy=True)
     for name, buf in persistent_buffers(model):
         if include is None or include(name):
             out[name] = buf.detach().to("cpu", copy=True)

@@ -89,7 +89,11 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
     """The layout, the step policy and the units that speculate under clipping (`free_device`: what the
     device may still allocate, for the choice of summing micro-batches there; None asks the device)."""
     c, t = settings.config, settings.config.tuning
-    layout = plan_layout(model, c.offload_all, group_of, t.resident_layers)
+    layout = plan_layout(model, c.offload_all, group_of, t.resident_layers, c.base_dtype)
+    if c.base_dtype is not None and not any(s.quant for u in layout.units for s in u.spans):
+        raise ValueError(f"Offloader: base_dtype={c.base_dtype!r} holds the frozen linear weights of the streamed "
+                         "layers, and this model's are all trained: it is for LoRA/PEFT, whose base is frozen "
+                         "(leave base_dtype=None for a full fine-tune)")
     # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
     speculative = t.speculative_clip and t.backend == "native" and c.max_grad_norm is not None
     rule = StepRule(c.grad_accum, c.max_grad_norm, speculative,

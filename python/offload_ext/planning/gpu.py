@@ -154,6 +154,7 @@ class DeviceFacts:
     checkpointed: int        # layers whose input is kept through forward (streamed and resident)
     largest_param: int       # numel of the largest trainable parameter inside a layer
     kept: int = 0            # layers run without recompute, their saved tensors kept (kept_layer_bytes each)
+    dequantized: int = 0     # bytes of the buffers a quantized base is dequantized into (one layer per stack)
 
     @classmethod
     def of(cls, model: nn.Module, choices: EngineChoices, device_layers: int, frozen: bool = False,
@@ -181,12 +182,14 @@ class DeviceFacts:
         streamed = [s.param for part in layout.stacks for u in part.units for s in u.spans]
         largest_param = max((p.numel() for p in (*streamed, *kept) if trains(p)), default=0)
         no_recompute = kept_per_stack * len(layout.stacks)
+        dequantized = sum(2 * max(sum(s.numel for s in u.spans if s.quant) for u in part.units)
+                          for part in layout.stacks if part.units)
         return cls(sum(p.numel() for p in outer), sum(p.numel() for p in outer if trains(p)),
                    sum(p.numel() for p in kept), sum(p.numel() for p in kept if trains(p)),
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
                    ring, grad,
                    min(device_layers, min((len(p.units) for p in layout.stacks), default=0)),
-                   layout.stack_layers - no_recompute, largest_param, no_recompute)
+                   layout.stack_layers - no_recompute, largest_param, no_recompute, dequantized)
 
 
 def redo_buffer_bytes(layout: Layout, units: frozenset[int], precision: str) -> int:
@@ -252,6 +255,7 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("their optimizer state" + kind, state * f.outer_trainable),
               ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
               (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
+              ("quantized base dequantized (one layer per stack, bf16)", f.dequantized),
               ("gradient buffers" + (" (a sum per layer)" if choices.rule.sums_on_device else ""), f.grad_buffers),
               ("clipped redos on the device",
                0 if frozen else redo_buffer_bytes(choices.layout, choices.device_redo_units, precision))]

@@ -3,7 +3,8 @@
 Names used throughout the Offloader:
 - a *unit* is the parameters stepped together on the host: one streamed layer, or (with
   offload_all) every parameter outside the stacks; `Unit.index` is its one global id, the backend's too;
-- a *span* is one parameter's place in its unit's flat buffers (trainable spans first, then frozen);
+- a *span* is one parameter's place in its unit's flat buffers (trainable spans first, then frozen; a frozen
+  linear weight held quantized, `Span.quant`, takes `Span.stored` bf16 elements of raw storage, after the rest);
 - a *position* is a layer's place in its stack (forward order);
 - a *group* is a parameter group of the Offloader (its own lr, weight decay, ...): a unit's trainable
   spans are ordered by group, so each group is one contiguous range of the unit's trainable prefix.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offload_ext.models.quantized_base import quantizable, stored_elements
 from offload_ext.models.stacks import find_layer_stacks
 
 
@@ -25,6 +27,12 @@ class Span:
     offset: int
     numel: int
     shape: torch.Size
+    quant: str | None = None  # a BASE_DTYPES format: the frozen weight is held quantized
+    stored: int = -1          # the bf16 elements it takes in the flat buffers (numel unless quantized)
+
+    def __post_init__(self) -> None:
+        if self.stored < 0:
+            object.__setattr__(self, "stored", self.numel)
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,7 +44,8 @@ class Unit:
 
     @property
     def numel(self) -> int:
-        return sum(s.numel for s in self.spans)
+        """The bf16 elements of the unit's flat buffers (a quantized span's storage, not its values)."""
+        return self.spans[-1].offset + self.spans[-1].stored if self.spans else 0
 
     @property
     def trainable_numel(self) -> int:
@@ -91,11 +100,21 @@ class Layout:
 GroupOf = Callable[[nn.Parameter], int]
 
 
-def _unit(index: int, params: list[nn.Parameter], group_of: GroupOf) -> Unit:
+def _unit(index: int, params: list[nn.Parameter], group_of: GroupOf, quantized: dict[int, str] | None = None
+          ) -> Unit:
+    """`quantized`: the formats of the frozen weights held quantized (by parameter id); they go last."""
+    quantized = quantized or {}
     trainable = sorted((p for p in params if p.requires_grad), key=group_of)  # stable: model order within a group
-    ordered = trainable + [p for p in params if not p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    ordered = trainable + [p for p in frozen if id(p) not in quantized] + [p for p in frozen if id(p) in quantized]
     spans, groups, offset = [], [], 0
     for p in ordered:
+        fmt = quantized.get(id(p))
+        if fmt is not None:
+            offset += offset % 2  # a quantized span's fp32 scales start 4-byte aligned
+            spans.append(Span(p, offset, p.numel(), p.shape, fmt, stored_elements(fmt, p.shape)))
+            offset += spans[-1].stored
+            continue
         spans.append(Span(p, offset, p.numel(), p.shape))
         if p.requires_grad:
             g = group_of(p)
@@ -108,9 +127,10 @@ def _unit(index: int, params: list[nn.Parameter], group_of: GroupOf) -> Unit:
 
 
 def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda p: 0,
-                resident_layers: int = 0) -> Layout:
+                resident_layers: int = 0, base_dtype: str | None = None) -> Layout:
     """Find the model's layer stacks and lay out every streamed parameter (`group_of`: its param group).
-    The lowest `resident_layers` of each stack stay on the device, stepped there."""
+    The lowest `resident_layers` of each stack stay on the device, stepped there. `base_dtype`: the frozen
+    linear weights of the streamed layers are held in that format (offload_ext.models.quantized_base)."""
     found = find_layer_stacks(model)
     if not found:
         raise ValueError(
@@ -126,7 +146,7 @@ def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda 
         layers = tuple(stack)[resident_layers:]
         units = []
         for layer in layers:
-            units.append(_unit(index, list(layer.parameters()), group_of))
+            units.append(_unit(index, list(layer.parameters()), group_of, _quantized(layer, base_dtype)))
             index += 1
         stacks.append(Part(name, layers, tuple(units)))
     streamed = {id(p) for part in stacks for layer in part.layers for p in layer.parameters()}
@@ -137,6 +157,14 @@ def plan_layout(model: nn.Module, offload_all: bool, group_of: GroupOf = lambda 
         outside = Part("outside the stacks", (), (_unit(index, rest, group_of),))
         return Layout(tuple(stacks), outside, on_device, tuple(resident))
     return Layout(tuple(stacks), None, on_device + tuple(rest), tuple(resident))
+
+
+def _quantized(layer: nn.Module, base_dtype: str | None) -> dict[int, str]:
+    """The layer's frozen linear weights that `base_dtype` holds (those of a shape it can), by parameter id."""
+    if base_dtype is None:
+        return {}
+    return {id(m.weight): base_dtype for m in layer.modules()
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad and quantizable(base_dtype, m.weight.shape)}
 
 
 def speculative_units(layout: Layout) -> frozenset[int]:

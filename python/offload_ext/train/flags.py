@@ -11,6 +11,7 @@ import torch
 
 from offload_ext.config import EngineTuning, OffloadConfig, parse_size
 from offload_ext.models.losses import KERNELS
+from offload_ext.models.quantized_base import BASE_DTYPES
 from offload_ext.train import data as data_mod
 from offload_ext.train import prior_run
 from offload_ext.train.config import TrainConfig
@@ -102,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train rank-R LoRA adapters (peft) instead of the whole model; the checkpoint is the adapter")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x --lora-r)")
     ap.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names to adapt")
+    ap.add_argument("--base-dtype", choices=BASE_DTYPES, default=None,
+                    help="with --lora-r: hold the frozen base's linear weights in int8, fp8 or nf4 (bitsandbytes' "
+                         "NF4 layout) on the host and in the copies, dequantized to bf16 on the GPU as each layer "
+                         "runs (offload)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="clip by the global gradient norm (native offload: host steps run speculatively during "
                          "backward and are redone exactly when the norm clips; metrics log 'clip')")
@@ -215,6 +220,7 @@ def offload_config(args: argparse.Namespace, device: torch.device) -> OffloadCon
                              activation_offload=args.activation_offload,
                              gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
                              offload_all=args.offload_all, compile_layers=args.compile, sr_seed=args.seed,
+                             base_dtype=args.base_dtype,
                              tuning=tuning)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from exc

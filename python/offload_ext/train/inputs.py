@@ -43,6 +43,9 @@ _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "A
 def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range: a zero batch or a negative learning rate otherwise fails deep inside
     torch with a traceback (a ZeroDivisionError, an optimizer's ValueError)."""
+    if args.base_dtype is not None and args.lora_r is None:
+        raise UsageError(f"--base-dtype {args.base_dtype} quantizes the frozen base of a LoRA run: add --lora-r R "
+                         "(a full fine-tune trains every weight, and trained weights stay in --precision)")
     for name, (least, unit) in _WHOLE_NUMBERS.items():
         value = getattr(args, name, None)
         if value is not None and value != "auto" and value < least:

@@ -26,7 +26,7 @@ LEGACY = "checkpoint"  # offload-train's layout before step directories: one dir
 RESUME_FLAGS = ("model", "pretrained", "backend", "precision", "batch_size", "seq_len", "grad_accum",
                 "resident_layers", "device_layers", "offload_all", "accumulate_on", "lora_r", "lora_alpha",
                 "lora_targets", "max_grad_norm", "weight_decay", "no_decay", "lr", "warmup_steps", "steps", "seed",
-                "dataset", "text_field", "split", "tokenizer", "streaming", "task")
+                "dataset", "text_field", "split", "tokenizer", "streaming", "task", "base_dtype")
 # Flags whose "auto" a run resolves and records as numbers: a resume with "auto" takes the checkpoint's.
 AUTO_FLAGS = ("resident_layers", "device_layers")
 

@@ -1,0 +1,102 @@
+"""Quantized frozen base weights: how a frozen linear weight (LoRA's base) is held on the host and streamed in
+fewer bytes, and turned back into bf16 on the device before its layer computes.
+
+Each format keeps bitsandbytes' rule where bitsandbytes has one, so that its quantized weights are ours bit for
+bit and ours dequantize as its do:
+- "int8": row-wise (one scale per output channel) absmax, LLM.int8's vector-wise rule: q = round(w * 127 / absmax)
+  with absmax a row's largest |w| in fp32; w' = q * absmax * (1 / 127), in fp32.
+- "fp8": the same rows, float8 e4m3: scale = absmax / 448 (e4m3's largest finite value); q = w / scale, rounded
+  to e4m3 (clamped to +-448 first: no NaN from a rounding past it); w' = q * scale, in fp32.
+- "nf4": bitsandbytes' NF4 layout: blocks of 64 consecutive elements, each scaled by its absmax (fp32) into
+  [-1, 1] and rounded to the nearest of the 16 NormalFloat4 levels (ties to the lower one); two codes a byte,
+  the first in the high nibble; w' = level * absmax, in fp32.
+The dequantized value is rounded to bf16, the dtype the layers compute in. A format's bytes sit in the unit's
+flat bf16 buffer as raw storage: the scales (fp32) first, then the codes; `stored_elements` is its length in
+bf16 elements, even, so that each span, and the fp32 scales at its start, stay 4-byte aligned.
+"""
+from __future__ import annotations
+
+import torch
+
+BASE_DTYPES = ("int8", "fp8", "nf4")
+NF4_BLOCK = 64  # QLoRA's block size
+_FP8_MAX = 448.0
+_INV_127 = 7.874015718698502e-3  # LLM.int8's 1 / 127, as its dequantization multiplies by it
+
+# The 16 NormalFloat4 levels (the QLoRA paper's quantiles of N(0, 1), scaled into [-1, 1]), ascending.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+
+
+def quantizable(fmt: str, shape: torch.Size) -> bool:
+    """Whether a weight of `shape` can be held in `fmt` (a matrix; for nf4, whole blocks)."""
+    if len(shape) != 2:
+        return False
+    return fmt != "nf4" or shape.numel() % NF4_BLOCK == 0
+
+
+def _scale_count(fmt: str, shape: torch.Size) -> int:
+    return shape.numel() // NF4_BLOCK if fmt == "nf4" else shape[0]
+
+
+def _code_bytes(fmt: str, shape: torch.Size) -> int:
+    return shape.numel() // 2 if fmt == "nf4" else shape.numel()
+
+
+def stored_elements(fmt: str, shape: torch.Size) -> int:
+    """The bf16 elements a weight of `shape` takes in `fmt`: its fp32 scales and its codes, rounded up to even."""
+    nbytes = 4 * _scale_count(fmt, shape) + _code_bytes(fmt, shape)
+    return 2 * -(-nbytes // 4)
+
+
+def _parts(fmt: str, shape: torch.Size, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 scales, codes) as views of `storage`, a span of a unit's bf16 buffer."""
+    raw = storage.view(torch.uint8)
+    n_scales = _scale_count(fmt, shape)
+    scales = raw[: 4 * n_scales].view(torch.float32)
+    codes = raw[4 * n_scales: 4 * n_scales + _code_bytes(fmt, shape)]
+    return scales, codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes
+
+
+def _nf4_bounds(device: torch.device) -> torch.Tensor:
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    return (levels[1:] + levels[:-1]) / 2
+
+
+def quantize_into(fmt: str, weight: torch.Tensor, storage: torch.Tensor) -> None:
+    """Write `weight` (a bf16 matrix) in `fmt` into `storage` (a bf16 span of stored_elements)."""
+    scales, codes = _parts(fmt, weight.shape, storage)
+    w = weight.float()
+    if fmt == "nf4":
+        blocks = w.reshape(-1, NF4_BLOCK)
+        absmax = blocks.abs().amax(dim=1)
+        scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1), -1, 1).reshape(-1)
+        q = torch.bucketize(scaled, _nf4_bounds(w.device)).to(torch.uint8)
+        codes.copy_((q[::2] << 4) | q[1::2])
+    elif fmt == "int8":
+        absmax = weight.abs().amax(dim=1).float()
+        # a row of zeros: codes 0 (its scale is 0), where 127 / 0 would make them NaN
+        codes.view(torch.int8).copy_(torch.round(weight * (127.0 / absmax.clamp(min=1e-38).unsqueeze(1))).reshape(-1))
+    else:
+        absmax = w.abs().amax(dim=1)
+        scale = absmax / _FP8_MAX
+        codes.copy_(torch.clamp(w / scale.clamp(min=1e-38).unsqueeze(1), -_FP8_MAX, _FP8_MAX).reshape(-1))
+        absmax = scale
+    scales.copy_(absmax)
+
+
+def dequantize(fmt: str, shape: torch.Size, storage: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` (bf16, of `shape`) from a weight held in `fmt` in `storage`, on the device both are on."""
+    scales, codes = _parts(fmt, shape, storage)
+    if fmt == "nf4":
+        q = torch.empty(codes.numel() * 2, dtype=torch.int32, device=codes.device)
+        q[::2] = codes >> 4
+        q[1::2] = codes & 0xF
+        levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=codes.device)
+        out.copy_((levels[q].view(-1, NF4_BLOCK) * scales.unsqueeze(1)).view(shape))
+    elif fmt == "int8":
+        out.copy_((codes.view(torch.int8).view(shape) * scales.unsqueeze(1) * _INV_127))
+    else:
+        out.copy_(codes.view(shape).float() * scales.unsqueeze(1))

@@ -1,0 +1,146 @@
+"""A quantized frozen base for LoRA: each format holds a weight as bitsandbytes does (int8 row-wise, NF4 in blocks
+of 64) and dequantizes as it does; the Offloader streams the base in that form and trains exactly as it does on the
+same base dequantized to bf16, in fewer host bytes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload_ext
+from helpers import batches, offloaded_training, tiny_llama
+from offload_ext.models.quantized_base import BASE_DTYPES, dequantize, quantize_into, stored_elements
+
+peft = pytest.importorskip("peft")
+SHAPES = [torch.Size((128, 256)), torch.Size((64, 64)), torch.Size((96, 320))]
+
+
+def _held(fmt: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the storage, the dequantized bf16 weight) of `w` held in `fmt`."""
+    storage = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16)
+    quantize_into(fmt, w, storage)
+    out = torch.empty(w.shape, dtype=torch.bfloat16)
+    dequantize(fmt, w.shape, storage, out)
+    return storage, out
+
+
+def _weight(shape: torch.Size, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.02).bfloat16()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_nf4_holds_bitsandbytes_codes_and_absmax_and_dequantizes_as_it_does(shape) -> None:
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    w = _weight(shape)
+    storage, ours = _held("nf4", w)
+    codes, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    raw = storage.view(torch.uint8)
+    blocks = w.numel() // 64
+    assert torch.equal(raw[:4 * blocks].view(torch.float32), state.absmax)
+    assert torch.equal(raw[4 * blocks:4 * blocks + w.numel() // 2], codes.view(-1))
+    assert torch.equal(ours, bnb.dequantize_4bit(codes, state).bfloat16())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_holds_llm_int8s_row_wise_codes_and_dequantizes_as_it_does(shape) -> None:
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    w = _weight(shape)
+    storage, ours = _held("int8", w)
+    codes, absmax, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(w.clone())
+    raw = storage.view(torch.uint8)
+    assert torch.equal(raw[:4 * shape[0]].view(torch.float32), absmax)
+    assert torch.equal(raw[4 * shape[0]:4 * shape[0] + w.numel()].view(torch.int8), codes.view(-1))
+    assert torch.equal(ours, bnb.int8_vectorwise_dequant(codes, absmax).bfloat16())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp8_is_within_e4m3s_rounding_of_each_row_scaled_to_its_range(shape) -> None:
+    w = _weight(shape)
+    _, ours = _held("fp8", w)
+    scale = w.float().abs().amax(dim=1, keepdim=True) / 448
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of a normal value, 2^-10 of the scale below its smallest
+    # normal (2^-6); the bf16 result adds half its own ulp, 2^-9.
+    bound = (2**-4 + 2**-9 + 2**-13) * w.float().abs() + 2**-10 * scale
+    assert ((ours.float() - w.float()).abs() <= bound).all()
+
+
+def test_a_row_of_zeros_stays_zero_in_every_format() -> None:
+    w = _weight(torch.Size((64, 64)))
+    w[3] = 0
+    for fmt in BASE_DTYPES:
+        assert torch.equal(_held(fmt, w)[1][3], w[3]), fmt
+
+
+def _lora(layers: int = 3) -> torch.nn.Module:
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(tiny_llama(layers=layers), config)
+    for name, p in model.named_parameters():  # lora_B starts at zero: make the first steps see the adapters
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _base_dequantized(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """A copy whose layers' frozen linear weights are what `fmt` holds of them, in bf16."""
+    out = copy.deepcopy(model)
+    for layer in out.base_model.model.model.layers:
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
+                m.weight.data = _held(fmt, m.weight.detach().bfloat16())[1]
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_a_quantized_base_trains_exactly_as_its_dequantized_weights_in_bf16(fmt, precision) -> None:
+    model = _lora()
+    same = _base_dequantized(model, fmt)
+    off = offload_ext.Offloader(model, lr=1e-2, precision=precision, device="cpu", base_dtype=fmt)
+    ref = offload_ext.Offloader(same, lr=1e-2, precision=precision, device="cpu")
+    held = [s for u in off.layout.units for s in u.spans if s.quant]
+    assert len(held) == 3 * 7 and all(s.quant == fmt for s in held)  # each layer's 7 frozen projections
+    assert sum(u.numel for u in off.layout.units) < sum(u.numel for u in ref.layout.units)
+    assert offloaded_training(off, model, batches(4)) == offloaded_training(ref, same, batches(4))
+    off.close()
+    ref.close()
+    for (name, a), b in zip(model.named_parameters(), same.parameters()):
+        assert torch.equal(a, b), name  # adapters stepped alike; the base reads back as its dequantized values
+
+
+def test_a_quantized_bases_state_round_trip_continues_exactly() -> None:
+    data = batches(4)
+    model = _lora()
+    twin = copy.deepcopy(model)
+    off = offload_ext.Offloader(model, lr=1e-2, device="cpu", base_dtype="nf4")
+    straight = offloaded_training(off, model, data)
+    first = offload_ext.Offloader(twin, lr=1e-2, device="cpu", base_dtype="nf4")
+    offloaded_training(first, twin, data[:2])
+    state = first.state_dict()
+    again = copy.deepcopy(_lora())
+    second = offload_ext.Offloader(again, lr=1e-2, device="cpu", base_dtype="nf4")
+    second.load_state_dict(state)
+    assert straight[2:] == offloaded_training(second, again, data[2:])
+    for o in (off, first, second):
+        o.close()
+
+
+def test_base_dtype_is_refused_where_nothing_is_frozen_or_layers_are_kept() -> None:
+    with pytest.raises(ValueError, match="base_dtype='int8' holds the frozen linear weights .* it is for LoRA"):
+        offload_ext.Offloader(tiny_llama(layers=2), device="cpu", base_dtype="int8")
+    with pytest.raises(ValueError, match="base_dtype='nf4' needs activation_checkpointing='all'"):
+        offload_ext.Offloader(_lora(2), device="cpu", base_dtype="nf4", activation_checkpointing="none")
+
+
+def test_the_plan_counts_the_quantized_base_in_fewer_host_bytes() -> None:
+    model = _lora(2)
+    plain = offload_ext.plan(model, device="cpu", host_memory="10GB").host_by_what
+    held = offload_ext.plan(model, device="cpu", host_memory="10GB", base_dtype="nf4").host_by_what
+    assert 0 < held[("params", True)] < plain[("params", True)]
+    gpu = offload_ext.plan(model, device="cuda", gpu_memory="24GB", host_memory="10GB", base_dtype="nf4").gpu
+    layer = model.base_model.model.model.layers[0]
+    frozen = sum(m.weight.numel() for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
+    gpu = dict(gpu.static)
+    assert gpu["quantized base dequantized (one layer per stack, bf16)"] == 2 * frozen
