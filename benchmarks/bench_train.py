@@ -25,7 +25,9 @@ offloaded and resident modes alike: clip (max_grad_norm=1e6, configured but neve
 clips where a pretraining run's first steps on real text do, and the row reports the fraction clipped), accumN (N
 micro-batches of batch/N rows, the same tokens
 per step), loraN (peft LoRA of rank N, alpha 2N, on every projection of each layer: the base frozen,
-the adapters trained), ckptnone / ckptN / ckptauto (activation_checkpointing "none", N, "auto": layers
+the adapters trained; with baseint8 / basefp8 / basenf4 the base held in that format: offloaded through
+base_dtype, resident as benchmarks/_qlora.py says, NF4 being bitsandbytes' QLoRA),
+ckptnone / ckptN / ckptauto (activation_checkpointing "none", N, "auto": layers
 kept without recompute; resident modes take ckptnone only, and ckptN / ckptauto are compared with the
 resident mode of full checkpointing). Each offloaded mode's ratio is to the resident mode of the same
 recipe when the run has one.
@@ -71,12 +73,15 @@ import torch
 
 import _common
 import _deepspeed
+import _qlora
 import offload_ext
 from offload_ext import testing
 from offload_ext.engine.layers import wrap_layer
 from offload_ext.engine.timeline import GPU_CATEGORIES, RUNTIME_CATEGORIES, Timeline, span
 from offload_ext.models.init_weights import tile_random
 from offload_ext.models.lora import add_lora
+from offload_ext.models.quantized_base import BASE_DTYPES
+from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.models.weight_source import filled_on, materialize
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
@@ -119,6 +124,7 @@ class Mode:
     accum: int = 1
     lora: int | None = None        # LoRA rank
     ckpt: str | int = "all"        # activation_checkpointing
+    base: str | None = None        # LoRA's frozen base held in this format (offload_ext.models.quantized_base)
 
     @classmethod
     def parse(cls, name: str) -> "Mode":
@@ -133,7 +139,11 @@ class Mode:
         lora = next((int(o[4:]) for o in rest if o.startswith("lora") and o[4:].isdigit()), None)
         ckpt = next((o[4:] for o in rest if o.startswith("ckpt")), "all")
         ckpt = int(ckpt) if ckpt.isdigit() else ckpt
-        options = tuple(o for o in rest if o not in CLIP_NORMS and not o.startswith(("accum", "lora", "ckpt")))
+        base = next((o[4:] for o in rest if o.startswith("base")), None)
+        if base is not None and (base not in BASE_DTYPES or lora is None):
+            raise SystemExit(f"bench_train: mode {name!r}: base<format> takes one of {BASE_DTYPES} and a loraN")
+        options = tuple(o for o in rest
+                        if o not in CLIP_NORMS and not o.startswith(("accum", "lora", "ckpt", "base")))
         if backend in PEERS and (set(options) - {"tuned"} or lora or ckpt != "all"
                                  or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: {backend} takes a precision in {_deepspeed.PRECISIONS}, "
@@ -147,7 +157,7 @@ class Mode:
         if "lean" in options and (backend != "resident" or ckpt != "all"):
             raise SystemExit(f"bench_train: mode {name!r}: lean is a resident mode's checkpoint (every layer "
                              "checkpointed): offloaded modes always use it")
-        return cls(name, backend, precision, options, clip, accum, lora, ckpt)
+        return cls(name, backend, precision, options, clip, accum, lora, ckpt, base)
 
     def option(self, prefix: str) -> int | None:
         assert prefix in NUMBERED_OPTIONS, prefix  # a new one must be known to the suffix check above
@@ -155,10 +165,10 @@ class Mode:
                     None)
 
     @property
-    def recipe(self) -> tuple[str | None, int, int | None, str]:
+    def recipe(self) -> tuple[str | None, int, int | None, str, str | None]:
         """What a resident peer must share: ckptN and ckptauto are compared with full checkpointing, what
         resident training has to do where the offloaded run keeps layers with the memory offload frees."""
-        return self.clip, self.accum, self.lora, "none" if self.ckpt == "none" else "all"
+        return self.clip, self.accum, self.lora, "none" if self.ckpt == "none" else "all", self.base
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -312,6 +322,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
            a: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     """(model, Offloader or None, device optimizer or _deepspeed.ZeroRun or None) for `mode`, GPU memory
     capped for every offloaded mode (DeepSpeed's included)."""
+    if mode.backend == "resident" and mode.base is not None:  # before anything else is made real: see _qlora
+        _qlora.hold_base(model, mode.base, a.device, weights)
     if mode.backend in ("resident", *PEERS):
         _materialize(model, weights)
     if a.device == "cuda":
@@ -322,12 +334,12 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         model.to(a.device)
         # the engine's own checkpoint on each layer, nothing to fetch (torchao's rows are resident-lean's peers)
         if "lean" in mode.options or mode.backend == "torchao":
-            for layer in model.model.layers:
+            for layer in _layers(model):
                 wrap_layer(layer, lambda: None, a.compile)
         elif mode.ckpt == "all":
             offload_ext.enable_activation_checkpointing(model)
         if a.compile and "lean" not in mode.options:
-            for layer in model.model.layers:
+            for layer in _layers(model):
                 layer.compile()
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:  # peft makes fp32 adapters; the engine trains them in bf16, as every other weight
@@ -343,7 +355,7 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         if a.compile:
             raise RuntimeError("deepspeed modes do not take --compile")
         offload_ext.enable_activation_checkpointing(model)
-        layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+        layer_numel = sum(p.numel() for p in _layers(model)[0].parameters())
         tuning = _deepspeed.Zero(stage=2 if mode.backend == "deepspeed2" else 3, tuned="tuned" in mode.options,
                                  layer_numel=layer_numel)
         run = _deepspeed.ZeroRun(model, offload_ext.causal_lm_loss, device=a.device, batch=a.batch, accum=mode.accum,
@@ -362,8 +374,14 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                 resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
                                 weights=weights,
                                 activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
-                                eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options)
+                                eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options,
+                                base_dtype=mode.base)
     return model, off, None
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layers, under peft's wrapper too."""
+    return find_layer_stacks(model)[0][1]
 
 
 def _sync() -> None:
@@ -717,8 +735,8 @@ def main() -> None:
         print(_table_line(dict(rows[-1]), _peers(modes[:len(rows)], rows)[-1]), flush=True)
     if memory:
         memory.close()
-    resident = next((r for m, r in zip(modes, rows) if m.backend == "resident" and m.recipe == (None, 1, None, "all")),
-                    None)
+    plain = (None, 1, None, "all", None)
+    resident = next((r for m, r in zip(modes, rows) if m.backend == "resident" and m.recipe == plain), None)
     lines = ["| mode | s/step | tok/s | vs resident, same recipe (time) | forward s | host wait s | host busy s | "
              "set-up s | GPU peak GB | steps clipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_table_line(r, peer) for r, peer in zip(rows, _peers(modes, rows))]

@@ -83,6 +83,11 @@ PRESETS: dict[str, list[Row]] = {
            Row("mixed", "b2", "native-mixed", "resident-plain", CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
+    # issue 38's reach: LoRA r16 on the 70 B shape, its base quantized, offloaded under the cap against the same
+    # base resident (int8: the engine's storage; NF4: bitsandbytes' QLoRA); the 24 B shape's full fine-tune alone
+    # (nothing resident holds it)
+    "reach": [*_pairs("llama-70b", ["lora16-baseint8", "lora16-basenf4"], CAP_GB, prefix="70b-"),
+              Row("24b-clipreal", "mistral-24b", "native-bf16-clipreal", None, CAP_GB)],
 }
 
 

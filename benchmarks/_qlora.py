@@ -1,0 +1,60 @@
+"""The resident peers of a LoRA run on a quantized base (bench_train's -baseint8/-basefp8/-basenf4 on resident
+modes): NF4 is bitsandbytes' QLoRA as peft users run it (Linear4bit, NF4 with its absmax quantized again, bf16
+compute); int8 and fp8 keep the engine's own storage on the GPU and dequantize each layer's base into one bf16
+buffer before it runs (what the offloaded run does after its copies), every layer recomputed."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offload_ext.models.quantized_base import dequantize, quantizable, quantize_into, stored_elements
+from offload_ext.models.stacks import find_layer_stacks
+from offload_ext.models.weight_source import WeightSource, make_real
+
+
+def _frozen_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for _, stack in find_layer_stacks(model) for layer in stack for m in layer.modules()
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+
+
+def hold_base(model: nn.Module, fmt: str, device: str, weights: WeightSource) -> None:
+    """The frozen linear weights of `model`'s layers held in `fmt` on `device`, as described above, each read from
+    `weights` where it is still on the meta device: one matrix at a time in bf16 (the 70 B shape's base would not
+    fit the host, nor the GPU, whole in bf16)."""
+    linears = [m for m in _frozen_linears(model) if quantizable(fmt, m.weight.shape)]
+
+    def value(m: nn.Linear) -> torch.Tensor:
+        p = m.weight
+        return weights.value(p, device) if p.is_meta else p.detach().to(device)
+    if fmt == "nf4":
+        for m in linears:
+            _to_linear4bit(model, m, value(m), device)
+        return
+    widest = max(m.weight.numel() for m in linears)
+    scratch = torch.empty(widest, dtype=torch.bfloat16, device=device)
+    for m in linears:
+        shape = m.weight.shape
+        storage = torch.empty(stored_elements(fmt, shape), dtype=torch.bfloat16, device=device)
+        quantize_into(fmt, value(m), storage)
+        make_real(m.weight, scratch[:shape.numel()].view(shape))
+
+        def dequantize_first(module: nn.Module, args: tuple, storage=storage, shape=shape) -> None:
+            dequantize(fmt, shape, storage, module.weight.data)
+        m.register_forward_pre_hook(dequantize_first)
+
+
+def _to_linear4bit(model: nn.Module, linear: nn.Linear, weight: torch.Tensor, device: str) -> None:
+    import bitsandbytes as bnb
+
+    if linear.bias is not None and linear.bias.is_meta:
+        raise ValueError("the resident NF4 peer reads the base's weights only: its linears have no bias here")
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True, device="meta")
+    q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True)
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach().to(device), requires_grad=False)
+    q = q.to(device)  # Params4bit quantizes as it moves
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is linear:
+                setattr(parent, name, q)
