@@ -60,6 +60,42 @@ def adamw_step(
     )
 
 
+def adamw8bit_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_absmax: torch.Tensor,
+    exp_avg_sq_absmax: torch.Tensor,
+    exp_avg_code: torch.Tensor,
+    exp_avg_sq_code: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    sr_seed: int | None = None,
+    sr_stream: int = 0,
+    sr_offset: int = 0,
+) -> None:
+    """One AdamW step with 8-bit moments ("bf16-8bit") over a contiguous CPU span, in place, by
+    offload_ext.optim.eight_bit's rule (which states it and gives it in torch ops, bit for bit).
+
+    param bf16; grad bf16 or fp32; exp_avg and exp_avg_sq uint8 indices into the maps exp_avg_code and
+    exp_avg_sq_code (256 strictly increasing fp32 codes each: eight_bit's dynamic maps); exp_avg_absmax and
+    exp_avg_sq_absmax fp32, one per block of 256 elements. `step` is 1-based. With `sr_seed` the param is stored
+    by stochastic rounding, the span's elements drawing indices sr_offset.. of stream (sr_seed, sr_stream).
+    """
+    native()
+    torch.ops.offload_ext.adamw8bit_step(
+        param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, exp_avg_code, exp_avg_sq_code,
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
+        None if sr_seed is None else int(sr_seed), int(sr_stream), int(sr_offset),
+    )
+
+
 def cross_entropy_rows(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, overwrite: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +186,17 @@ def _register_fakes_and_autograd() -> None:
                          weight_decay: float, step: int, sr_seed: int | None = None, sr_stream: int = 0,
                          sr_offset: int = 0, grad_scale: float = 1.0) -> None:
         _same_numel("adamw_step", param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out)
+
+    @torch.library.register_fake("offload_ext::adamw8bit_step")
+    def _adamw8bit_step_fake(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                             exp_avg_sq: torch.Tensor, exp_avg_absmax: torch.Tensor, exp_avg_sq_absmax: torch.Tensor,
+                             exp_avg_code: torch.Tensor, exp_avg_sq_code: torch.Tensor, lr: float, beta1: float,
+                             beta2: float, eps: float, weight_decay: float, step: int, sr_seed: int | None = None,
+                             sr_stream: int = 0, sr_offset: int = 0) -> None:
+        _same_numel("adamw8bit_step", param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        blocks = (param.numel() + 255) // 256
+        for name, t in (("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)):
+            torch._check(t.numel() == blocks, lambda: f"adamw8bit_step: expected {name} to have one element a block")
 
     @torch.library.register_fake("offload_ext::cross_entropy_rows")
     def _cross_entropy_rows_fake(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,

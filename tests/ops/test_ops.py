@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload_ext import ops
+from offload_ext.optim import eight_bit
 
 GPU = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
@@ -37,6 +38,19 @@ def test_adamw_step_passes_opcheck(mode: str) -> None:
     if mode == "bf16-sr":  # sr_seed, sr_stream, sr_offset
         args += (7, 2, 1 << 33)
     torch.library.opcheck(torch.ops.offload_ext.adamw_step.default, args)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sr", [(None, 0, 0), (7, 2, 1 << 33)])  # sr_seed, sr_stream, sr_offset
+def test_adamw8bit_step_passes_opcheck(grad_dtype: torch.dtype, sr: tuple) -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 1000
+    args = (torch.randn(n, generator=gen).bfloat16(), torch.randn(n, generator=gen).to(grad_dtype),
+            torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+            torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8), torch.rand(4, generator=gen),
+            torch.rand(4, generator=gen) * 1e-3, eight_bit.signed_dynamic_map(), eight_bit.unsigned_dynamic_map(),
+            1e-3, 0.9, 0.999, 1e-8, 0.01, 3, *sr)
+    torch.library.opcheck(torch.ops.offload_ext.adamw8bit_step.default, args)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 #include "engine/step_scheduler.h"
 #include "kernels/adamw.h"
+#include "ops/adamw8bit_op.h"
 #include "ops/adamw_op.h"
 #include "ops/cross_entropy.h"
 #include "ops/sr_round.h"
@@ -89,6 +90,11 @@ TORCH_LIBRARY(offload_ext, m) {
       "adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "int? sr_seed=None, int sr_stream=0, int sr_offset=0, float grad_scale=1.0) -> ()");
+  m.def(
+      "adamw8bit_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!) exp_avg_absmax, Tensor(e!) exp_avg_sq_absmax, Tensor exp_avg_code, Tensor exp_avg_sq_code, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, int? sr_seed=None, "
+      "int sr_stream=0, int sr_offset=0) -> ()");
   // overwrite: the backward may write the logits' gradient over the logits (only safe when nothing else
   // saved them); the forward kernels ignore it.
   m.def("cross_entropy_rows(Tensor logits, Tensor labels, int ignore_index, bool overwrite=False) -> "
@@ -104,6 +110,7 @@ TORCH_LIBRARY(offload_ext, m) {
 
 TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
   m.impl("adamw_step", &offload_ext::adamw_step_cpu);
+  m.impl("adamw8bit_step", &offload_ext::adamw8bit_step_cpu);
   m.impl("cross_entropy_rows", &offload_ext::cross_entropy_rows_cpu);
   m.impl("cross_entropy_rows_backward", &offload_ext::cross_entropy_rows_backward_cpu);
   m.impl("sum_squares", &offload_ext::sum_squares_cpu);

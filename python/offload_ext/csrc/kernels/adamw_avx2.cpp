@@ -1,5 +1,5 @@
-// AdamW span kernels for AVX2+FMA (8 floats a vector). Only this file is compiled for AVX2;
-// the dispatcher calls it after checking the CPU at run time.
+// AdamW span kernels (bf16 and 8-bit moments) for AVX2+FMA (8 floats a vector). Only this file is compiled
+// for AVX2; the dispatchers call it after checking the CPU at run time.
 #include <cstdint>
 
 #include "adamw.h"
@@ -8,6 +8,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
+#include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 
 namespace offload_ext {
@@ -54,6 +55,31 @@ struct Avx2Vec {
   static void stream_bf16_sr(uint16_t* p, F x, I r) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x, r));
   }
+  // For the 8-bit loops: 8 code indices (bytes) widened to lanes and packed back, map and bucket lookups (a
+  // byte table read 4 bytes a lane), a search step (a + k in the lanes where !(x >= y)), k where x is NaN, the
+  // bits of x and of |x| (ordered as |x| is, NaN past all), their maximum.
+  static I load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(uint8_t* p, I x) {
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
+  }
+  static F gather(const float* table, I i) { return _mm256_i32gather_ps(table, i, 4); }
+  static I gather_u8(const uint8_t* table, I i) {
+    return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), i, 1), iset1(0xffu));
+  }
+  static I bits(F x) { return _mm256_castps_si256(x); }
+  static I where_nan(I a, F x, uint32_t k) {
+    return _mm256_blendv_epi8(a, iset1(k), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static I add_where_not_ge(I a, F x, F y, uint32_t k) {
+    const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(x, y, _CMP_NGE_UQ));
+    return _mm256_add_epi32(a, _mm256_and_si256(below, iset1(k)));
+  }
+  static I abs_bits(F x) { return _mm256_and_si256(_mm256_castps_si256(x), iset1(0x7fffffffu)); }
+  static I imax(I a, I b) { return _mm256_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
+  static void store_i(uint32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -87,4 +113,5 @@ struct Avx2Vec {
 }  // namespace offload_ext
 
 OFFLOAD_EXT_DEFINE_SPANS(avx2, Avx2Vec)
+OFFLOAD_EXT_DEFINE_8BIT_BLOCKS(avx2, Avx2Vec)
 #pragma GCC pop_options

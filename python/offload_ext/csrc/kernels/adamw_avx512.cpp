@@ -1,5 +1,5 @@
-// AdamW span kernels for AVX-512F (16 floats a vector). Only this file is compiled for
-// AVX-512; the dispatcher calls it after checking the CPU at run time.
+// AdamW span kernels (bf16 and 8-bit moments) for AVX-512F (16 floats a vector). Only this file is compiled for
+// AVX-512; the dispatchers call it after checking the CPU at run time.
 #include <cstdint>
 
 #include "adamw.h"
@@ -8,6 +8,7 @@
 #pragma GCC target("avx512f,avx2,fma,f16c")
 #include <immintrin.h>
 
+#include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 
 namespace offload_ext {
@@ -53,6 +54,27 @@ struct Avx512Vec {
   static void stream_bf16_sr(uint16_t* p, F x, I r) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x, r));
   }
+  // For the 8-bit loops: 16 code indices (bytes) widened to lanes and packed back, map and bucket lookups (a
+  // byte table read 4 bytes a lane), a search step (a + k in the lanes where !(x >= y)), k where x is NaN, the
+  // bits of x and of |x| (ordered as |x| is, NaN past all), their maximum.
+  static I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static F gather(const float* table, I i) { return _mm512_i32gather_ps(i, table, 4); }
+  static I gather_u8(const uint8_t* table, I i) {
+    return _mm512_and_si512(_mm512_i32gather_epi32(i, table, 1), iset1(0xffu));
+  }
+  static I bits(F x) { return _mm512_castps_si512(x); }
+  static I where_nan(I a, F x, uint32_t k) {
+    return _mm512_mask_mov_epi32(a, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), iset1(k));
+  }
+  static I add_where_not_ge(I a, F x, F y, uint32_t k) {
+    return _mm512_mask_add_epi32(a, _mm512_cmp_ps_mask(x, y, _CMP_NGE_UQ), a, iset1(k));
+  }
+  static I abs_bits(F x) { return _mm512_and_si512(_mm512_castps_si512(x), iset1(0x7fffffffu)); }
+  static I imax(I a, I b) { return _mm512_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
+  static void store_i(uint32_t* p, I x) { _mm512_storeu_si512(p, x); }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -86,4 +108,5 @@ struct Avx512Vec {
 }  // namespace offload_ext
 
 OFFLOAD_EXT_DEFINE_SPANS(avx512, Avx512Vec)
+OFFLOAD_EXT_DEFINE_8BIT_BLOCKS(avx512, Avx512Vec)
 #pragma GCC pop_options

@@ -49,6 +49,18 @@ struct ScalarVec {
   static I shr(I a) { return a >> k; }
   static void store_bf16_sr(uint16_t* p, F x, I r) { *p = bf16_sr_bits(x, r); }
   static void stream_bf16_sr(uint16_t* p, F x, I r) { *p = bf16_sr_bits(x, r); }
+  // For the 8-bit loops (adamw8bit_kernel.h): code indices, map and bucket lookups, a search step, NaN lanes,
+  // the bits of floats and of their magnitudes.
+  static I load_u8(const uint8_t* p) { return *p; }
+  static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static F gather(const float* table, I i) { return table[i]; }
+  static I gather_u8(const uint8_t* table, I i) { return table[i]; }
+  static I bits(F x) { return float_bits(x); }
+  static I where_nan(I a, F x, uint32_t k) { return x != x ? k : a; }
+  static I add_where_not_ge(I a, F x, F y, uint32_t k) { return x >= y ? a : a + k; }  // a + k where !(x >= y)
+  static I abs_bits(F x) { return float_bits(x) & 0x7fffffffu; }
+  static I imax(I a, I b) { return a > b ? a : b; }
+  static void store_i(uint32_t* p, I x) { *p = x; }
   // Float64 sums of squares, in two accumulators of lanes (one lane each here).
   using D = double;
   static D dzero() { return 0.0; }

@@ -1,0 +1,67 @@
+// AdamW with 8-bit moments ("bf16-8bit"): bf16 params, exp_avg and exp_avg_sq as uint8 indices into 256-code
+// maps with an fp32 absmax per block of kBlock elements. The rule is offload_ext/optim/eight_bit.py's, which
+// states it in full; this dispatcher picks the ISA and spreads whole blocks over the ThreadPool.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "adamw.h"
+
+namespace offload_ext {
+
+constexpr int64_t kBlock = 256;  // elements a block: one absmax of each moment
+constexpr int kCodes = 256;      // codes a map
+
+inline int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// Where one 8-bit pass reads and writes, in place (pointers at element 0 of the span, which starts a block).
+struct EightBitPass {
+  uint16_t* param;  // bf16
+  const void* grad;
+  GradType grad_type;
+  uint8_t* exp_avg;     // indices into exp_avg_code
+  uint8_t* exp_avg_sq;  // indices into exp_avg_sq_code
+  float* exp_avg_absmax;     // one a block
+  float* exp_avg_sq_absmax;
+  const float* exp_avg_code;     // kCodes values, strictly increasing
+  const float* exp_avg_sq_code;
+};
+
+// What the encoder reads of one map. `mid`: the 255 midpoints between neighbouring codes (its thresholds), then
+// +inf. `below`: for each bucket of floats sharing their top 16 bits, how many midpoints lie below its least
+// value; where no bucket holds two midpoints (`bucketed`, true of the dynamic maps) an index is that count plus
+// one comparison, the same count the binary search over `mid` finds.
+constexpr int kBuckets = 1 << 16;
+struct MapTables {
+  float mid[kCodes];
+  uint8_t below[kBuckets + 3];  // read 4 bytes at a time (32-bit gathers): 3 past the last
+  bool bucketed;
+};
+
+// What the block loops read besides the pass: each moment's map tables, and the stochastic rounding of the
+// param, when on, by stochastic_rounding.h's stream.
+struct EightBitTables {
+  const MapTables* exp_avg;
+  const MapTables* exp_avg_sq;
+  bool stochastic = false;
+  uint64_t sr_seed = 0;
+  uint64_t sr_stream = 0;
+  int64_t sr_index = 0;  // the stream index of the span's element 0
+  int64_t step = 0;
+};
+
+// One step over n elements; with `sr` the param is stored by stochastic rounding (exp_avg_sq is no bf16 here).
+void adamw8bit(const EightBitPass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
+               const std::optional<SrStream>& sr = std::nullopt);
+
+// Per-ISA block loops over blocks [first, last) of a span of n elements, each in its ISA's translation unit.
+#define OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(isa)                                                      \
+  void adamw8bit_blocks_##isa(const EightBitPass& pass, int64_t n, int64_t first, int64_t last, \
+                              const EightBitTables& t, const AdamWCoef& c);
+OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(scalar)
+OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(avx2)
+OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(avx512)
+#undef OFFLOAD_EXT_DECLARE_8BIT_BLOCKS
+
+}  // namespace offload_ext
