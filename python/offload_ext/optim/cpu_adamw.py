@@ -8,8 +8,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from offload_ext.ops import adamw_step
+from offload_ext.optim import eight_bit
 from offload_ext.optim.adamw_checks import (
     check_adamw_keywords,
     check_host_memory_for,
@@ -21,8 +23,6 @@ from offload_ext.optim.adamw_checks import (
 from offload_ext.optim.global_clip import GlobalClip, check_clippable, local
 from offload_ext.optim.overlap import InBackwardSteps
 from offload_ext.optim.stochastic_rounding import adamw_step_sr
-
-_FP32_STATES = ("exp_avg", "exp_avg_sq", "master_param")
 
 
 def _closure_loss(closure: Callable[[], float] | None) -> float | None:
@@ -56,8 +56,11 @@ class CPUAdamW(torch.optim.Optimizer):
     updates the master and writes the rounded bf16 value into the parameter in the same pass.
     `stochastic_rounding=True` keeps bf16 parameters and bf16 moments, as without it, but stores the
     parameters and exp_avg_sq by stochastic rounding (offload_ext.optim.stochastic_rounding's rule): parameter k
-    of the optimizer, counting through the groups in order, draws stream k of `sr_seed`. Both are group
-    options for bf16 parameters; a group takes one of them at most.
+    of the optimizer, counting through the groups in order, draws stream k of `sr_seed`. `eight_bit=True` keeps
+    the moments in 8 bits (offload_ext.optim.eight_bit's rule, bitsandbytes' block-wise dynamic quantization:
+    uint8 codes in `exp_avg` and `exp_avg_sq`, an fp32 scale per 256 elements in `exp_avg_absmax` and
+    `exp_avg_sq_absmax`), the parameter rounded to nearest or, with stochastic_rounding, stochastically. All three
+    are group options for bf16 parameters; master_weights takes neither of the others.
     State keys follow torch's (`step`, `exp_avg`, `exp_avg_sq`), plus `master_param`; for DTensor
     parameters (FSDP2's shards) the states are DTensors of the same placement and the kernel steps the
     local shard.
@@ -83,6 +86,7 @@ class CPUAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         master_weights: bool = False,
         stochastic_rounding: bool = False,
+        eight_bit: bool = False,
         sr_seed: int = 0,
         overlap: bool = False,
         max_grad_norm: float | None = None,
@@ -92,7 +96,7 @@ class CPUAdamW(torch.optim.Optimizer):
         check_hyper(lr, betas, eps, weight_decay)
         self._clip = GlobalClip(max_grad_norm) if max_grad_norm is not None else None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, eight_bit=eight_bit)
         self.overlap: InBackwardSteps | None = None
         self._located: tuple[list, tuple, dict] | None = None  # _locate's map and the groups it was made from
         super().__init__(params, defaults)  # add_param_group checks (and with overlap, watches) each group
@@ -125,10 +129,15 @@ class CPUAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if group["master_weights"] and group["stochastic_rounding"]:
-            raise ValueError("CPUAdamW: a group takes master_weights or stochastic_rounding, not both")
+        if group["master_weights"] and (group["stochastic_rounding"] or group["eight_bit"]):
+            other = "stochastic_rounding" if group["stochastic_rounding"] else "eight_bit"
+            raise ValueError(f"CPUAdamW: a group takes master_weights or {other}, not both")
         for p in group["params"]:
             check_param(local(p.detach()))
+            if group["eight_bit"] and (p.dtype != torch.bfloat16 or isinstance(p, DTensor)):
+                raise ValueError("CPUAdamW: eight_bit steps plain bf16 parameters (got "
+                                 f"{'a DTensor shard' if p.dtype == torch.bfloat16 else p.dtype}): its codes and "
+                                 "scales are laid out over the whole tensor")
         if self.overlap is not None:  # a group added after construction
             for p in group["params"]:
                 self.overlap.watch(p)
@@ -155,7 +164,7 @@ class CPUAdamW(torch.optim.Optimizer):
         # A loaded state dict's groups replace these (torch.optim.AdamW's carry neither key): what it
         # lacks keeps this optimizer's choice.
         for group in self.param_groups:
-            for key in ("master_weights", "stochastic_rounding"):
+            for key in ("master_weights", "stochastic_rounding", "eight_bit"):
                 group.setdefault(key, self.defaults[key])
         for name, value in (("_located", None), ("overlap", None)):
             self.__dict__.setdefault(name, value)
@@ -168,10 +177,20 @@ class CPUAdamW(torch.optim.Optimizer):
     def _uses_master(p: torch.Tensor, group: dict[str, Any]) -> bool:
         return bool(group["master_weights"]) and p.dtype == torch.bfloat16
 
+    @staticmethod
+    def _own_dtype_states(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether p's moments are kept in a dtype other than its own (fp32 with a master, 8-bit codes)."""
+        return CPUAdamW._uses_master(p, group) or bool(group.get("eight_bit"))
+
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if group["eight_bit"]:
+                codes = eight_bit.zero_state(p.numel())
+                for key, value in zip(("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"), codes):
+                    state[key] = value
+                return state
             if self._uses_master(p, group):
                 state["master_param"] = p.detach().to(torch.float32, copy=True)
                 like = state["master_param"]
@@ -224,6 +243,14 @@ class CPUAdamW(torch.optim.Optimizer):
             raise RuntimeError("CPUAdamW does not support sparse gradients")
         state = self._init_state(p, group)
         state["step"] += 1
+        sr_seed = self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None
+        if "exp_avg_absmax" in state:
+            eight_bit.adamw8bit_step(p.detach().view(-1), p.grad.detach().contiguous().view(-1), state["exp_avg"],
+                                     state["exp_avg_sq"], state["exp_avg_absmax"], state["exp_avg_sq_absmax"],
+                                     lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                     eps=group["eps"], weight_decay=group["weight_decay"],
+                                     step=int(state["step"].item()), sr_seed=sr_seed, sr_stream=stream)
+            return
         master = state.get("master_param")
         adamw_step(
             local(master if master is not None else p.detach()),
@@ -237,7 +264,7 @@ class CPUAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             step=int(state["step"].item()),
-            sr_seed=self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None,
+            sr_seed=sr_seed,
             sr_stream=stream,
         )
 
@@ -257,15 +284,17 @@ class CPUAdamW(torch.optim.Optimizer):
         if any(g["stochastic_rounding"] for g in self.param_groups):
             check_seed(state_dict, self.sr_seed, "CPUAdamW")
         check_loaded_groups(state_dict["param_groups"])
-        # torch casts every loaded state tensor to its parameter's dtype; master-weight states
-        # must stay fp32, so they are restored from the originals afterwards.
+        # torch casts every loaded state tensor to its parameter's dtype; states kept in another (fp32 masters
+        # and moments, 8-bit codes and their scales) are restored from the originals afterwards.
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        fp32_states: dict[int, dict[str, torch.Tensor]] = {}
+        own_dtype: dict[int, dict[str, torch.Tensor]] = {}
         for saved_group, group in zip(saved_groups, self.param_groups):
+            merged = {**group, **saved_group}
             for index, p in zip(saved_group["params"], group["params"]):
-                if index in saved_state and self._uses_master(p, {**group, **saved_group}):
-                    fp32_states[id(p)] = {k: v for k, v in saved_state[index].items() if k in _FP32_STATES}
+                if index in saved_state and self._own_dtype_states(p, merged):
+                    own_dtype[id(p)] = {k: v for k, v in saved_state[index].items() if k != "step"}
+                    eight_bit.check_loaded_state(own_dtype[id(p)], p.numel(), bool(merged.get("eight_bit")))
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:
@@ -274,11 +303,8 @@ class CPUAdamW(torch.optim.Optimizer):
                     continue
                 if not isinstance(state["step"], torch.Tensor):  # older checkpoints keep a plain number
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-                for key, value in fp32_states.get(id(p), {}).items():
-                    state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
-                for key in _FP32_STATES:
-                    if key in state and not state[key].is_contiguous():
-                        state[key] = state[key].contiguous()
+                for key, value in own_dtype.get(id(p), {}).items():
+                    state[key] = value.to(device=p.device, copy=True, memory_format=torch.contiguous_format)
 
 
 class StochasticAdamW(torch.optim.AdamW):

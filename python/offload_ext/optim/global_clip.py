@@ -67,8 +67,8 @@ class Preserved:
 
     @staticmethod
     def _tensors(p: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        return [local(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"], state.get("master_param"))
-                if t is not None]
+        # every state tensor but the step count: moments, a master, 8-bit codes' scales
+        return [local(t) for t in (p.detach(), *(state[k] for k in sorted(state) if k != "step"))]
 
     def save(self, p: torch.Tensor, state: dict) -> None:
         tensors = self._tensors(p, state)
