@@ -63,7 +63,7 @@ def train(mode: str, steps: int, out: str) -> list[float]:
         opt.step()
         opt.zero_grad()
         schedule.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
