@@ -11,8 +11,9 @@ betas (0.9, 0.999), eps 1e-8, no weight decay; `-clip` adds clipping at max_grad
 clip_grad_norm_ before the step; CPUAdamW: max_grad_norm=, its global norm).
 
 Modes: resident (FSDP2 on the GPUs, torch's fused AdamW there), offload-torch (CPUOffloadPolicy,
-torch.optim.AdamW on the CPU shards after backward: FSDP2's own path), offload-overlap (CPUOffloadPolicy,
-CPUAdamW(overlap=True)); each with an optional -clip.
+torch.optim.AdamW on the CPU shards after backward: FSDP2's own path), offload-torchfused (the same with
+fused=True, torch's fused CPU kernel), offload-cpuadamw (CPUAdamW after backward: the kernel without the overlap),
+offload-overlap (CPUAdamW(overlap=True)); each with an optional -clip.
 
     torchrun --nproc-per-node 1 benchmarks/bench_fsdp.py --modes offload-torch,offload-overlap,resident
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --device cpu --layers 2 --hidden 64 --intermediate 128 \\
@@ -81,11 +82,12 @@ def build(a: argparse.Namespace, offload: bool, mesh: Any) -> torch.nn.Module:
 
 def optimizer(mode: str, model: torch.nn.Module, a: argparse.Namespace) -> torch.optim.Optimizer:
     kw = dict(lr=a.lr, betas=BETAS, eps=EPS, weight_decay=0.0)
-    if mode.startswith("offload-overlap"):
-        return offload_ext.CPUAdamW(model.parameters(), overlap=True,
+    base = mode.removesuffix("-clip")
+    if base in ("offload-overlap", "offload-cpuadamw"):
+        return offload_ext.CPUAdamW(model.parameters(), overlap=base == "offload-overlap",
                                     max_grad_norm=MAX_NORM if mode.endswith("-clip") else None, **kw)
-    if mode.startswith("offload-torch"):
-        return torch.optim.AdamW(model.parameters(), **kw)
+    if base in ("offload-torch", "offload-torchfused"):  # torch's default (foreach) and its fused CPU kernel
+        return torch.optim.AdamW(model.parameters(), fused=base == "offload-torchfused", **kw)
     return torch.optim.AdamW(model.parameters(), fused=a.device == "cuda", **kw)
 
 
@@ -115,7 +117,7 @@ def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog)
         t0 = time.perf_counter()
         loss = model(input_ids=batch, labels=batch).loss  # through the root's forward: FSDP2 gathers its params
         loss.backward()
-        if mode.endswith("-clip") and not mode.startswith("offload-overlap"):
+        if mode.endswith("-clip") and mode.removesuffix("-clip") not in ("offload-overlap", "offload-cpuadamw"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -163,7 +165,7 @@ def main() -> None:
 def _write(a: argparse.Namespace, rows: list[list[dict[str, Any]]]) -> None:
     world = len(rows[0])
     torch_time = {r[0]["mode"].replace("offload-torch", ""): r[0]["step_s"] for r in rows
-                  if r[0]["mode"].startswith("offload-torch") and "error" not in r[0]}
+                  if r[0]["mode"].removesuffix("-clip") == "offload-torch" and "error" not in r[0]}
     lines = [f"FSDP2, {world} rank(s) ({a.device}), Llama {a.layers} layers, hidden {a.hidden}, batch {a.batch} x "
              f"{a.seq} per rank, bf16, activation checkpointing.", "",
              "| mode | s/step (rank 0) | tok/s per GPU | torch AdamW offload / this (time) | GPU peak GB per rank | "
@@ -173,7 +175,7 @@ def _write(a: argparse.Namespace, rows: list[list[dict[str, Any]]]) -> None:
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['error']} | - | - | - | - |")
             continue
-        peer = torch_time.get(r["mode"].replace("offload-overlap", "").replace("offload-torch", ""))
+        peer = torch_time.get("-clip" if r["mode"].endswith("-clip") else "")
         ratio = f"{peer / r['step_s']:.3f}x" if peer and r["mode"].startswith("offload") else "-"
         gpu = ", ".join(f"{x['gpu_peak_gb']:.2f}" for x in per_rank if "error" not in x)
         rss = ", ".join(f"{x['host_peak_rss_gb']:.1f}" for x in per_rank if "error" not in x)

@@ -16,7 +16,7 @@ SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", 
 
 def test_bench_fsdp_runs_each_mode_on_two_cpu_ranks_and_writes_a_row_per_rank(tmp_path) -> None:
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    modes = "offload-torch,offload-overlap,offload-overlap-clip,resident"
+    modes = "offload-torch,offload-overlap,offload-overlap-clip,resident,offload-torchfused,offload-cpuadamw-clip"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-port", str(free_port()), str(bench / "bench_fsdp.py"), "--device", "cpu", *SHAPE,
                     "--modes", modes, "--stem", str(tmp_path / "smoke")],  # an absolute stem: written there only
