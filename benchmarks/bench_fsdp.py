@@ -126,8 +126,8 @@ def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog)
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     step = statistics.median(times)
-    row = {"mode": mode, "step_s": step, "tokens_per_s_per_gpu": a.batch * a.seq / step, "setup_s": setup,
-           "losses": losses, "host_peak_rss_gb": memory.peak(),
+    row = {"mode": mode, "step_s": step, "step_times_s": times, "tokens_per_s_per_gpu": a.batch * a.seq / step,
+           "setup_s": setup, "losses": losses, "host_peak_rss_gb": memory.peak(),
            "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0}
     del model, opt
     return row

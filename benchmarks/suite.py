@@ -3,6 +3,8 @@ process, the modes in turns, and the tables written from what it measured.
 
     python benchmarks/suite.py --preset b1              # B1 (1.24 B, 4 x 2048): every recipe and every peer
     python benchmarks/suite.py --preset b2 --only plain,clipreal   # some rows of B2 (8 B, 2 x 4096, 24 GB cap)
+    python benchmarks/suite.py --preset fsdp            # FSDP2's CPU offload, torch's AdamW against CPUAdamW
+    python benchmarks/suite.py --preset reach           # 70 B LoRA on quantized bases, the 24 B full fine-tune
     python benchmarks/suite.py --preset all --rounds 2
     python benchmarks/suite.py --tables                 # rewrite the tables from the files their markers name
 
@@ -26,6 +28,7 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,12 +39,14 @@ import _common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_TRAIN = os.path.join(HERE, "bench_train.py")
+BENCH_FSDP = os.path.join(HERE, "bench_fsdp.py")
 CAP_GB = 24.0  # the B2 rows' GPU cap for every offloading mode: a 24 GB card's
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One row: a bench_train mode on a shape, the row it is compared with (`peer`), its GPU cap."""
+    """One row: a bench_train mode on a shape (or, `fsdp`, a bench_fsdp mode on its B2 shape, one rank under
+    torchrun), the row it is compared with (`peer`), its GPU cap."""
 
     key: str
     shape: str
@@ -49,6 +54,7 @@ class Row:
     peer: str | None = None
     cap_gb: float | None = None
     compile: bool = False
+    fsdp: bool = False
 
 
 def _pairs(shape: str, recipes: list[str], cap: float | None, prefix: str = "") -> list[Row]:
@@ -83,6 +89,12 @@ PRESETS: dict[str, list[Row]] = {
            Row("mixed", "b2", "native-mixed", "resident-plain", CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
+    # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward
+    # and overlapped with it; each offloaded row against the strongest torch one
+    "fsdp": [Row("fsdp-resident", "b2", "resident", fsdp=True),
+             Row("fsdp-torchfused-clip", "b2", "offload-torchfused-clip", "fsdp-resident", fsdp=True),
+             *(Row(f"fsdp-{m}", "b2", f"offload-{m}", "fsdp-torchfused-clip", fsdp=True)
+               for m in ("torch-clip", "cpuadamw-clip", "overlap-clip"))],
     # issue 38's reach: LoRA r16 on the 70 B shape, its base quantized, offloaded under the cap against the same
     # base resident (int8: the engine's storage; NF4: bitsandbytes' QLoRA); the 24 B shape's full fine-tune alone
     # (nothing resident holds it)
@@ -134,6 +146,10 @@ def selected(preset: str, only: str | None) -> list[Row]:
 
 
 def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
+    if row.fsdp:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                str(_free_port()), BENCH_FSDP, "--modes", row.mode, "--warmup", str(a.warmup), "--steps",
+                str(a.steps), "--stem", stem, "--device", a.device, *a.shape_args.split()]
     cmd = [sys.executable, BENCH_TRAIN, "--preset", row.shape, "--modes", row.mode, "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--batches", str(a.warmup + a.steps), "--data", "embedded", "--stem", stem,
            "--device", a.device, *a.shape_args.split()]
@@ -142,6 +158,12 @@ def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
     if row.compile:
         cmd.append("--compile")
     return cmd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str, Any]:
@@ -160,7 +182,9 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
         return {"error": f"bench_train exited {proc.returncode}: ... {tail}", "process_s": seconds}
     with open(stem + ".json") as f:
         result = json.load(f)
-    got = result["rows"][0]
+    got = result["rows"][0][0] if row.fsdp else result["rows"][0]  # bench_fsdp's: per mode, per rank
+    if row.fsdp:
+        got["tokens_per_s"], got["clipped_fraction"] = got["tokens_per_s_per_gpu"], None
     got["host_rss_peak_gb"] = usage.ru_maxrss * 1024 / 1e9  # Linux gives kilobytes
     got["process_s"] = seconds
     got["args"] = result["args"]

@@ -3,6 +3,7 @@ the peer of the same round, and tables regenerated from the file their markers n
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,16 @@ def test_a_marked_table_is_regenerated_from_the_file_its_marker_names(measured, 
 def test_an_unknown_row_is_refused_naming_the_rows_there_are() -> None:
     with pytest.raises(SystemExit, match="b2 has no row 'fast'; its rows: resident-plain, plain"):
         suite.selected("b2", "fast")
+
+
+def test_an_fsdp_row_runs_under_torchrun_with_its_peers(tmp_path) -> None:
+    shape = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256 --batch 2 --seq 32"
+    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "fsdp", "--only", "fsdp-overlap-clip",
+                    "--rounds", "1", "--warmup", "1", "--steps", "2", "--device", "cpu", "--shape-args", shape,
+                    "--out", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = {r["key"]: r for r in json.loads((tmp_path / "suite_fsdp.json").read_text())["rows"]}
+    assert list(rows) == ["fsdp-resident", "fsdp-torchfused-clip", "fsdp-overlap-clip"]
+    ours = rows["fsdp-overlap-clip"]
+    assert "error" not in ours and len(ours["rounds"][0]["step_times_s"]) == 2
+    assert ours["round_ratio"] == [ours["round_step_s"][0] / rows["fsdp-torchfused-clip"]["round_step_s"][0]]
