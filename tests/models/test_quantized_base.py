@@ -10,6 +10,7 @@ import torch
 
 import offload_ext
 from helpers import batches, offloaded_training, tiny_llama
+from offload_ext.models import quantized_base
 from offload_ext.models.quantized_base import BASE_DTYPES, dequantize, quantize_into, stored_elements
 
 peft = pytest.importorskip("peft")
@@ -63,6 +64,16 @@ def test_fp8_is_within_e4m3s_rounding_of_each_row_scaled_to_its_range(shape) -> 
     # normal (2^-6); the bf16 result adds half its own ulp, 2^-9.
     bound = (2**-4 + 2**-9 + 2**-13) * w.float().abs() + 2**-10 * scale
     assert ((ours.float() - w.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_a_weight_dequantized_in_chunks_is_the_same_as_at_once(fmt, monkeypatch) -> None:
+    w = _weight(torch.Size((96, 320)))
+    storage, whole = _held(fmt, w)
+    monkeypatch.setattr(quantized_base, "DEQUANT_CHUNK", 704)  # 11 blocks of 64; rows of 320: 2 at a time
+    chunked = torch.empty(w.shape, dtype=torch.bfloat16)
+    dequantize(fmt, w.shape, storage, chunked)
+    assert torch.equal(chunked, whole)
 
 
 def test_a_row_of_zeros_stays_zero_in_every_format() -> None:
@@ -143,4 +154,5 @@ def test_the_plan_counts_the_quantized_base_in_fewer_host_bytes() -> None:
     frozen = sum(m.weight.numel() for m in layer.modules()
                  if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
     gpu = dict(gpu.static)
-    assert gpu["quantized base dequantized (one layer per stack, bf16)"] == 2 * frozen
+    assert gpu["quantized base dequantized (one layer per stack, bf16, and a chunk's temporaries)"] == \
+        2 * frozen + quantized_base.DEQUANT_TEMP_BYTES

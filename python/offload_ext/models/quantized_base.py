@@ -16,10 +16,16 @@ bf16 elements, even, so that each span, and the fp32 scales at its start, stay 4
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BASE_DTYPES = ("int8", "fp8", "nf4")
 NF4_BLOCK = 64  # QLoRA's block size
+# Elements dequantized at a time: the fp32 (and NF4's int32) temporaries stay ~200 MB however large the weight
+# (a 70 B layer's largest is 235 M elements: ~2 GB of temporaries at once, under a 24 GB cap).
+DEQUANT_CHUNK = 1 << 24
+DEQUANT_TEMP_BYTES = 12 * DEQUANT_CHUNK  # the codes widened, the levels gathered, the product
 _FP8_MAX = 448.0
 _INV_127 = 7.874015718698502e-3  # LLM.int8's 1 / 127, as its dequantization multiplies by it
 
@@ -87,16 +93,31 @@ def quantize_into(fmt: str, weight: torch.Tensor, storage: torch.Tensor) -> None
     scales.copy_(absmax)
 
 
+@functools.cache
+def _levels(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)  # once a device: no copy up at each bind
+
+
 def dequantize(fmt: str, shape: torch.Size, storage: torch.Tensor, out: torch.Tensor) -> None:
-    """`out` (bf16, of `shape`) from a weight held in `fmt` in `storage`, on the device both are on."""
+    """`out` (bf16, of `shape`) from a weight held in `fmt` in `storage`, on the device both are on, DEQUANT_CHUNK
+    elements at a time."""
     scales, codes = _parts(fmt, shape, storage)
+    flat = out.view(-1)
     if fmt == "nf4":
-        q = torch.empty(codes.numel() * 2, dtype=torch.int32, device=codes.device)
-        q[::2] = codes >> 4
-        q[1::2] = codes & 0xF
-        levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=codes.device)
-        out.copy_((levels[q].view(-1, NF4_BLOCK) * scales.unsqueeze(1)).view(shape))
-    elif fmt == "int8":
-        out.copy_((codes.view(torch.int8).view(shape) * scales.unsqueeze(1) * _INV_127))
-    else:
-        out.copy_(codes.view(shape).float() * scales.unsqueeze(1))
+        levels = _levels(codes.device)
+        for begin in range(0, shape.numel(), DEQUANT_CHUNK):  # whole blocks: DEQUANT_CHUNK is a multiple of 64
+            end = min(begin + DEQUANT_CHUNK, shape.numel())
+            packed = codes[begin // 2:end // 2]
+            q = torch.empty(end - begin, dtype=torch.int32, device=codes.device)
+            q[::2] = packed >> 4
+            q[1::2] = packed & 0xF
+            block = scales[begin // NF4_BLOCK:end // NF4_BLOCK].unsqueeze(1)
+            flat[begin:end].copy_((levels[q].view(-1, NF4_BLOCK) * block).view(-1))
+        return
+    rows, cols = shape
+    step = max(1, DEQUANT_CHUNK // cols)
+    for r in range(0, rows, step):
+        part = codes[r * cols:min(rows, r + step) * cols].view(-1, cols)
+        scale = scales[r:r + step].unsqueeze(1)
+        value = part.view(torch.int8) * scale * _INV_127 if fmt == "int8" else part.float() * scale
+        out[r:r + step].copy_(value)
