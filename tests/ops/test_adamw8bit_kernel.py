@@ -86,6 +86,50 @@ def test_a_map_the_bucket_table_cannot_serve_is_searched_to_the_same_bits(n: int
 
 
 @pytest.mark.usefixtures("restore_kernel_settings")
+def test_maps_of_another_structure_are_encoded_by_the_bucket_table_to_the_same_bits() -> None:
+    # Even steps fit no decimal runs: the AVX-512 arithmetic encoder leaves them to the table.
+    maps = (torch.linspace(-1, 1, 256), torch.linspace(0, 1, 256))
+    param, grads = _problem(4099, torch.float32, 4)
+    ref = _run(eight_bit.reference_adamw8bit_step, param, grads, 0.1, maps=maps)
+    for level in _levels():
+        offload_ext.set_simd_level(level)
+        _assert_equal(_run(eight_bit.adamw8bit_step, param, grads, 0.1, maps=maps), ref, level)
+
+
+_ROWS = 1 << 16  # blocks a call: 255 floats under test and a 1 each
+
+
+@pytest.mark.usefixtures("restore_kernel_settings")
+@pytest.mark.skipif(offload_ext.supported_simd_level() != "avx512", reason="the arithmetic encoder is AVX-512's")
+@pytest.mark.parametrize("kind", ["signed", "unsigned"])
+def test_the_arithmetic_encoder_gives_the_reference_index_of_every_float_in_minus_one_to_one(kind: str) -> None:
+    # With beta1 = 0 and lr = 0 the step stores the encoding of the fp32 gradient itself (exp_avg = grad exactly),
+    # and a 1 in each block makes its absmax 1 and its scale 1. Each map is exp_avg's in turn, so the unsigned one
+    # sees negative x too. Every bit pattern of [-1, 1]: ties, zeros of both signs, subnormals, the anchors.
+    code = {"signed": eight_bit.signed_dynamic_map, "unsigned": eight_bit.unsigned_dynamic_map}[kind]()
+    offload_ext.set_simd_level("avx512")
+    offload_ext.set_num_threads(2)
+    grad = torch.ones(_ROWS, 256)
+    param = torch.zeros(_ROWS * 256, dtype=torch.bfloat16)
+    state = eight_bit.zero_state(_ROWS * 256)
+    one = 0x3F800000  # the bits of 1.0
+    for start in range(0, one + 1, _ROWS * 255):
+        bits = torch.arange(start, min(start + _ROWS * 255, one + 1), dtype=torch.int32)
+        for sign in (0, -(1 << 31)):
+            x = (bits | sign).view(torch.float32)
+            grad[:, :255] = torch.nn.functional.pad(x, (0, _ROWS * 255 - x.numel())).view(_ROWS, 255)
+            offload_ext.ops.adamw8bit_step(param, grad.view(-1), *state, code, eight_bit.unsigned_dynamic_map(),
+                                           lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+            assert bool((state[2] == 1).all())
+            got = state[0].view(_ROWS, 256)[:, :255].reshape(-1)[: x.numel()]
+            want = eight_bit.encode(x, code)
+            if not torch.equal(got, want):
+                wrong = (got != want).nonzero()[0].item()
+                pytest.fail(f"{x[wrong].item()!r} (bits {int(bits[wrong]) | sign:#x}): index {got[wrong]}, "
+                            f"the rule's {want[wrong]}")
+
+
+@pytest.mark.usefixtures("restore_kernel_settings")
 @pytest.mark.parametrize("offset", [0, 5, (1 << 32) - 777])
 @pytest.mark.parametrize("n", [1, 257, 4099, 100_003])
 def test_stochastic_rounding_equals_the_reference_on_every_isa_whatever_the_offset(n: int, offset: int) -> None:

@@ -23,8 +23,11 @@ Quantization", as bitsandbytes applies it to Adam):
   block makes it NaN); x = m * s with s = fp32(1 / absmax) (0 when absmax is 0); the stored index q is the number
   of midpoints mid[k] = (code[k] + code[k + 1]) * 0.5 (fp32, k = 0 .. 254) for which mid[k] >= x is false: the
   nearest code, a tie going to the lower one, and a NaN x to the last. torch finds it here by searchsorted; the
-  kernel from a table of the midpoints below each bucket of floats that share their top 16 bits and one
-  comparison, or by a binary search over the midpoints for a map with two in one bucket.
+  AVX-512 kernel, for the dynamic maps, arithmetically (the decade by comparisons with the midpoints between
+  decades, the rank within it from a linear formula, the rare x too near a midpoint to tell by a search:
+  csrc/kernels/adamw8bit.h's LinearEncoder); the other kernels and maps from a table of the midpoints below
+  each bucket of floats that share their top 16 bits and one comparison, or by a binary search over the
+  midpoints for a map with two in one bucket.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "bf16.h"
+
 namespace offload_ext {
 namespace {
 
@@ -36,6 +38,58 @@ bool bucket_bounds(uint32_t key, float& least, float& most) {
   return true;
 }
 
+// The dynamic maps' LinearEncoder of midpoints `mid`, usable if they fit it: P (the non-negative ones) holds the
+// midpoint above 0, then for each decimal exponent e = 0 .. 6 the n0 * 2^e - 1 between its codes and the one
+// above its last (n0 = 1 signed, 2 unsigned: 1 + 127 * n0 in all); those are the anchors, the inner ones sit
+// near fma(x, slope, offset) = rank + 1 as the codes' formula puts them.
+LinearEncoder build_linear(const float* mid) {
+  constexpr int kDecades = 7;
+  constexpr int kSegments = kDecades + 2;
+  LinearEncoder l{};
+  int zero = 0;
+  while (zero < kCodes - 1 && mid[zero] < 0.0f) ++zero;
+  const float* p = mid + zero;
+  const int positive = kCodes - 1 - zero;
+  if (zero > positive || (positive - 1) % ((1 << kDecades) - 1) != 0 || !(p[0] > 0.0f)) return l;
+  for (int k = 0; k < zero; ++k) {
+    if (mid[zero - 1 - k] != -p[k]) return l;
+  }
+  const int n0 = (positive - 1) / ((1 << kDecades) - 1);
+  l.zero = zero;
+  for (int s = 0; s < 16; ++s) {  // below the first anchor and past the last: no run, pos(a) = 0.5 for any a
+    l.anchor[s] = INFINITY;
+    l.slope[s] = 0.0f;
+    l.offset[s] = 0.5f;
+    l.base[s] = l.top[s] = s == 0 ? 0 : positive;
+  }
+  int at = 0;  // P's index of anchor e
+  for (int e = 0; e < kDecades; ++e) {
+    const int n = n0 << e, s = e + 1;
+    l.anchor[e] = p[at];
+    l.slope[s] = static_cast<float>(std::pow(10.0, kDecades - 1 - e) * n / 0.9);
+    l.offset[s] = static_cast<float>(-n / 9.0);
+    l.base[s] = at + 1;
+    l.top[s] = at + n;
+    for (int r = 0; r + 1 < n; ++r) {
+      const float pos = std::fma(p[at + 1 + r], l.slope[s], l.offset[s]);
+      if (!(std::fabs(pos - static_cast<float>(r + 1)) < kLinearMargin)) return l;
+    }
+    at += n;
+  }
+  l.anchor[kDecades] = p[at];
+  int in_class[32] = {};
+  for (int s = 0; s + 1 < kSegments; ++s) {
+    const int binade = static_cast<int>(float_bits(l.anchor[s]) >> 23) - kLinearBinade0;
+    if (++in_class[std::clamp(binade, 0, 31)] > 1) return l;
+  }
+  for (int c = 0; c < 32; ++c) {
+    const float least = c == 0 ? 0.0f : float_of_bits(static_cast<uint32_t>(kLinearBinade0 + c) << 23);
+    l.segment_of_binade[c] = static_cast<int32_t>(std::lower_bound(l.anchor, l.anchor + kSegments - 1, least) - l.anchor);
+  }
+  l.usable = true;
+  return l;
+}
+
 std::shared_ptr<const MapTables> build_tables(const float* code) {
   auto t = std::make_shared<MapTables>();
   for (int k = 0; k + 1 < kCodes; ++k) t->mid[k] = (code[k] + code[k + 1]) * 0.5f;
@@ -50,6 +104,7 @@ std::shared_ptr<const MapTables> build_tables(const float* code) {
     t->below[key] = static_cast<uint8_t>(below);
     if (below + 1 < kCodes - 1 && !(t->mid[below + 1] > most)) t->bucketed = false;
   }
+  t->linear = build_linear(t->mid);
   return t;
 }
 

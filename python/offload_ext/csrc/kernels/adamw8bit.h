@@ -28,15 +28,39 @@ struct EightBitPass {
   const float* exp_avg_sq_code;
 };
 
+// The AVX-512 encoder's arithmetic form of a map whose midpoints are the dynamic maps' (eight_bit.py): those of
+// negative x the negatives of those of positive x, and the non-negative ones P cut by 8 "anchors" into 9
+// segments, each a linear run: in segment s a midpoint of rank r within it lies where pos(x) = fma(x, slope[s],
+// offset[s]) is near r + 1. The count of P below a magnitude a is then base[s] + min(floor(pos(a)), top[s] -
+// base[s]), which is exact wherever pos(a) is at least kLinearMargin from an integer: pos is monotone and each
+// midpoint's pos lies within kLinearMargin of its integer (build_linear checks this, the argument's only
+// premise, for every midpoint). The rarer rest is searched. An x's segment is #anchors below it: that of the
+// least float of its binade (segment_of_binade, its exponent clamped to 32 values) or one more, each binade
+// holding at most one anchor. A map that does not fit (usable false; the op takes any increasing map) keeps the
+// bucket table or the search, as the other ISAs do.
+constexpr float kLinearMargin = 1.0f / 4096;
+constexpr int kLinearBinade0 = 104;  // the exponent field of binade 0; those below and above clamp to 0 and 31
+struct LinearEncoder {
+  bool usable;
+  int32_t zero;  // the midpoints below 0 (their count of negative x's codes), each the negative of one of P
+  float anchor[16];  // segment s starts above anchor[s - 1]; past the 8 anchors +inf
+  int32_t segment_of_binade[32];
+  float slope[16];
+  float offset[16];
+  int32_t base[16];
+  int32_t top[16];
+};
+
 // What the encoder reads of one map. `mid`: the 255 midpoints between neighbouring codes (its thresholds), then
 // +inf. `below`: for each bucket of floats sharing their top 16 bits, how many midpoints lie below its least
 // value; where no bucket holds two midpoints (`bucketed`, true of the dynamic maps) an index is that count plus
-// one comparison, the same count the binary search over `mid` finds.
+// one comparison, the same count the binary search over `mid` finds. `linear`: the AVX-512 encoder's form of it.
 constexpr int kBuckets = 1 << 16;
 struct MapTables {
   float mid[kCodes];
   uint8_t below[kBuckets + 3];  // read 4 bytes at a time (32-bit gathers): 3 past the last
   bool bucketed;
+  LinearEncoder linear;
 };
 
 // What the block loops read besides the pass: each moment's map tables, and the stochastic rounding of the

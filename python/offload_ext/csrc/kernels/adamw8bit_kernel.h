@@ -58,8 +58,8 @@ inline int64_t update_loop(const EightBitPass& a, const G* grad, int64_t at, int
   for (; i + V::W <= end; i += V::W, counter += V::W) {
     const int64_t e = at + i;
     auto P = V::load_bf16(a.param + e);
-    auto M = V::mul(V::gather(a.exp_avg_code, V::load_u8(a.exp_avg + e)), V::set1(absmax_m));
-    auto S = V::mul(V::gather(a.exp_avg_sq_code, V::load_u8(a.exp_avg_sq + e)), V::set1(absmax_v));
+    auto M = V::mul(V::lookup256(a.exp_avg_code, V::load_u8(a.exp_avg + e)), V::set1(absmax_m));
+    auto S = V::mul(V::lookup256(a.exp_avg_sq_code, V::load_u8(a.exp_avg_sq + e)), V::set1(absmax_v));
     adamw_update<V>(P, load_grad<V>(grad + e), M, S, c);
     if (kSR) {
       V::store_bf16_sr(a.param + e, P, V::iand(sr_hash32<V>(V::iota(counter)), V::iset1(0xffffu)));
@@ -122,8 +122,28 @@ inline void encode_loop(const float* x, int64_t n, uint32_t absmax_bits, const M
   for (; i < n; ++i) ScalarVec::store_u8(q + i, nearest_code<ScalarVec, kBucketed>(t, x[i] * scale));
 }
 
+// encode_loop by the map's LinearEncoder: no table lookups but in the rare lanes it leaves to the search.
+template <class V>
+inline void linear_encode_loop(const float* x, int64_t n, uint32_t absmax_bits, const MapTables& t, uint8_t* q) {
+  const float absmax = float_of_bits(absmax_bits);
+  const float scale = absmax == 0.0f ? 0.0f : 1.0f / absmax;
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) {
+    uint32_t searched;
+    V::store_u8(q + i, V::linear_code(t.linear, V::mul(V::load_f32(x + i), V::set1(scale)), searched));
+    for (; searched != 0; searched &= searched - 1) {
+      const int64_t at = i + __builtin_ctz(searched);
+      q[at] = static_cast<uint8_t>(searched_code<ScalarVec>(t.mid, x[at] * scale));
+    }
+  }
+  for (; i < n; ++i) ScalarVec::store_u8(q + i, searched_code<ScalarVec>(t.mid, x[i] * scale));
+}
+
 template <class V>
 inline void encode_block(const float* x, int64_t n, uint32_t absmax_bits, const MapTables& t, uint8_t* q) {
+  if constexpr (V::kLinearEncode) {
+    if (t.linear.usable) return linear_encode_loop<V>(x, n, absmax_bits, t, q);
+  }
   t.bucketed ? encode_loop<V, true>(x, n, absmax_bits, t, q) : encode_loop<V, false>(x, n, absmax_bits, t, q);
 }
 

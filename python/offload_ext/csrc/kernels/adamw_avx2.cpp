@@ -66,6 +66,7 @@ struct Avx2Vec {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
   static F gather(const float* table, I i) { return _mm256_i32gather_ps(table, i, 4); }
+  static F lookup256(const float* table, I i) { return gather(table, i); }
   static I gather_u8(const uint8_t* table, I i) {
     return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), i, 1), iset1(0xffu));
   }
@@ -78,6 +79,7 @@ struct Avx2Vec {
     return _mm256_add_epi32(a, _mm256_and_si256(below, iset1(k)));
   }
   static I abs_bits(F x) { return _mm256_and_si256(_mm256_castps_si256(x), iset1(0x7fffffffu)); }
+  static constexpr bool kLinearEncode = false;
   static I imax(I a, I b) { return _mm256_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
   static void store_i(uint32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static void fence() { _mm_sfence(); }

@@ -62,6 +62,19 @@ struct Avx512Vec {
   }
   static void store_u8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static F gather(const float* table, I i) { return _mm512_i32gather_ps(i, table, 4); }
+  // table[i] for a table of 256 floats: in-register permutes of its 32-float pieces, then the piece by i's
+  // three high bits, which costs less than a gather.
+  static F lookup256(const float* table, I i) {
+    const auto piece = [&](int k) {
+      return _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), i, _mm512_loadu_ps(table + 32 * k + 16));
+    };
+    const auto pick = [&](uint32_t bit, F low, F high) {
+      return _mm512_mask_mov_ps(low, _mm512_test_epi32_mask(i, iset1(bit)), high);
+    };
+    const F low = pick(64, pick(32, piece(0), piece(1)), pick(32, piece(2), piece(3)));
+    const F high = pick(64, pick(32, piece(4), piece(5)), pick(32, piece(6), piece(7)));
+    return pick(128, low, high);
+  }
   static I gather_u8(const uint8_t* table, I i) {
     return _mm512_and_si512(_mm512_i32gather_epi32(i, table, 1), iset1(0xffu));
   }
@@ -75,6 +88,37 @@ struct Avx512Vec {
   static I abs_bits(F x) { return _mm512_and_si512(_mm512_castps_si512(x), iset1(0x7fffffffu)); }
   static I imax(I a, I b) { return _mm512_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
   static void store_i(uint32_t* p, I x) { _mm512_storeu_si512(p, x); }
+  // The rule's index of x by the map's LinearEncoder (adamw8bit.h), but for the lanes set in `searched`, whose
+  // pos lies too near an integer to tell.
+  static constexpr bool kLinearEncode = true;
+  static I linear_code(const LinearEncoder& l, F x, uint32_t& searched) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
+    // A negative x counts the p <= |x|, i.e. those below the float after |x| (the midpoints below x are the
+    // negatives of the others); infinities become the largest float, which no anchor reaches either, so that
+    // pos stays finite.
+    const __m512i above = _mm512_mask_add_epi32(abs_bits(x), negative, abs_bits(x), iset1(1));
+    const __m512 a = _mm512_castsi512_ps(_mm512_min_epi32(above, iset1(0x7f7fffffu)));
+    const __m512i binade = _mm512_min_epi32(
+        _mm512_max_epi32(_mm512_sub_epi32(shr<23>(_mm512_castps_si512(a)), iset1(kLinearBinade0)),
+                         _mm512_setzero_si512()),
+        iset1(31));
+    __m512i s = _mm512_permutex2var_epi32(_mm512_loadu_si512(l.segment_of_binade), binade,
+                                          _mm512_loadu_si512(l.segment_of_binade + 16));
+    const __m512 anchor = _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.anchor));
+    s = _mm512_mask_add_epi32(s, _mm512_cmp_ps_mask(anchor, a, _CMP_LT_OQ), s, iset1(1));
+    const __m512 pos = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.slope)),
+                                       _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.offset)));
+    const __m512i base = _mm512_permutexvar_epi32(s, _mm512_loadu_si512(l.base));
+    const __m512i count = _mm512_min_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(pos), base),
+                                           _mm512_permutexvar_epi32(s, _mm512_loadu_si512(l.top)));
+    const __m512 off = _mm512_sub_ps(pos, _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    searched = _mm512_cmp_ps_mask(_mm512_abs_ps(off), set1(kLinearMargin), _CMP_LT_OQ);
+    const __m512i zero = iset1(static_cast<uint32_t>(l.zero));
+    const __m512i q = _mm512_mask_blend_epi32(negative, _mm512_add_epi32(zero, count),
+                                              _mm512_max_epi32(_mm512_sub_epi32(zero, count), _mm512_setzero_si512()));
+    return where_nan(q, x, kCodes - 1);
+  }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

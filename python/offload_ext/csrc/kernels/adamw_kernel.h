@@ -54,12 +54,14 @@ struct ScalarVec {
   static I load_u8(const uint8_t* p) { return *p; }
   static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
   static F gather(const float* table, I i) { return table[i]; }
+  static F lookup256(const float* table, I i) { return table[i]; }  // a table of 256
   static I gather_u8(const uint8_t* table, I i) { return table[i]; }
   static I bits(F x) { return float_bits(x); }
   static I where_nan(I a, F x, uint32_t k) { return x != x ? k : a; }
   static I add_where_not_ge(I a, F x, F y, uint32_t k) { return x >= y ? a : a + k; }  // a + k where !(x >= y)
   static I abs_bits(F x) { return float_bits(x) & 0x7fffffffu; }
   static I imax(I a, I b) { return a > b ? a : b; }
+  static constexpr bool kLinearEncode = false;
   static void store_i(uint32_t* p, I x) { *p = x; }
   // Float64 sums of squares, in two accumulators of lanes (one lane each here).
   using D = double;
