@@ -58,3 +58,12 @@ def test_auto_on_the_simulated_device_records_the_plain_layout_in_the_checkpoint
     _, path = prior_run.complete_checkpoints(out)[-1]
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["args"]["resident_layers"] == 0
+
+
+def test_auto_without_the_engine_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("the model was built before the refusal"))
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--out", str(tmp_path / "run"), "--device", "cpu", "--resident-layers", "auto"])
+    assert exc.value.code == 2
+    assert "--resident-layers and --device-layers auto lay out the offload engine: --backend none" in \
+        capsys.readouterr().err

@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"  # args.backend resolved by choose_device: none on the CPU unless simulated
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
+    if args.backend == "none" and any(getattr(args, k) == "auto" for k in prior_run.AUTO_FLAGS):
+        raise UsageError("--resident-layers and --device-layers auto lay out the offload engine: --backend none has "
+                         "none (drop them, or train with --backend native)")
     if args.backend != "none" and args.device == "cpu":
         raise UsageError("--device cpu trains without offload (--backend none); use --device cpu-sim to run the "
                          "offload engine on the simulated device")
@@ -198,8 +201,6 @@ def _resolve_layout(args: argparse.Namespace, model: torch.nn.Module, device: to
     auto = [k for k in prior_run.AUTO_FLAGS if getattr(args, k) == "auto"]
     if not auto:
         return
-    if args.backend == "none":
-        raise UsageError("--resident-layers and --device-layers lay out the offload engine: --backend none has none")
     if resume_from is not None:
         chosen = {k: resume_from.manifest["args"][k] for k in auto}
         reason = "the checkpoint's"
