@@ -50,6 +50,13 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a one-process rendezvous (DeepSpeed's, torchrun's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *sys.argv])
 

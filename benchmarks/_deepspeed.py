@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import socket
 import time
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+import _common
 
 PRECISIONS = ("bf16", "mixed")
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -37,19 +38,13 @@ class _LossModule(nn.Module):
         return self._loss_fn(self.lm, tokens)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_single_process(backend: str) -> None:
     """A world of one: the env:// rendezvous with this process as rank 0 (no launcher, no MPI probe)."""
     import deepspeed
 
     if torch.distributed.is_initialized():
         return
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_common.free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 

@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -148,7 +147,7 @@ def selected(preset: str, only: str | None) -> list[Row]:
 def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
     if row.fsdp:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                str(_free_port()), BENCH_FSDP, "--modes", row.mode, "--warmup", str(a.warmup), "--steps",
+                str(_common.free_port()), BENCH_FSDP, "--modes", row.mode, "--warmup", str(a.warmup), "--steps",
                 str(a.steps), "--stem", stem, "--device", a.device, *a.shape_args.split()]
     cmd = [sys.executable, BENCH_TRAIN, "--preset", row.shape, "--modes", row.mode, "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--batches", str(a.warmup + a.steps), "--data", "embedded", "--stem", stem,
@@ -158,12 +157,6 @@ def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
     if row.compile:
         cmd.append("--compile")
     return cmd
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str, Any]:
