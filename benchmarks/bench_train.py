@@ -8,7 +8,9 @@ mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
 A mode is resident[-lean][-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe]
-(precision bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): tN engine threads, nN their niceness
+(precision bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): auto for the layout that offload-train's
+--resident-layers auto --device-layers auto chooses for the run's micro-batch on this GPU (or its cap; with rN, the
+buffers only), tN engine threads, nN their niceness
 (host_nice), gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
 the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
 host steps not sliced (one unit at a time, as before slicing), sync for async_step=False (e.g.
@@ -83,6 +85,9 @@ from offload_ext.models.lora import add_lora
 from offload_ext.models.quantized_base import BASE_DTYPES
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.models.weight_source import filled_on, materialize
+from offload_ext.planning.auto_layout import choose_layout
+from offload_ext.planning.choices import Settings
+from offload_ext.planning.plan import machine as plan_machine
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -105,7 +110,7 @@ PRESETS = {
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3, "clipreal": 1.0}
 # the mode suffixes without a number
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned")
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto")
 PEERS = ("deepspeed", "deepspeed2", "torchao")  # the other offloading libraries' modes
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
@@ -362,21 +367,37 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                                  max_grad_norm=mode.max_grad_norm, precision=mode.precision, lr=a.lr, betas=BETAS,
                                  eps=EPS, weight_decay=WEIGHT_DECAY, zero=tuning)
         return model, None, run
-    off = offload_ext.Offloader(model, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                precision=mode.precision, backend=mode.backend, device=a.device,
-                                compile_layers=a.compile, num_threads=mode.option("t"), host_nice=mode.option("n") or 0,
-                                grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
-                                async_step=False if "sync" in mode.options else None,
-                                slice_elements=1 << 62 if "whole" in mode.options else None,
-                                grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
-                                speculative_clip="nospec" not in mode.options,
-                                accumulate_on_device=False if "hostsum" in mode.options else None,
-                                resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
-                                weights=weights,
-                                activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
-                                eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options,
-                                base_dtype=mode.base)
+    options = dict(precision=mode.precision, backend=mode.backend, device=a.device,
+                   compile_layers=a.compile, num_threads=mode.option("t"), host_nice=mode.option("n") or 0,
+                   grad_slots=mode.option("g"), device_layers=mode.option("d") or 2,
+                   async_step=False if "sync" in mode.options else None,
+                   slice_elements=1 << 62 if "whole" in mode.options else None,
+                   grad_accum=mode.accum, max_grad_norm=mode.max_grad_norm,
+                   speculative_clip="nospec" not in mode.options,
+                   accumulate_on_device=False if "hostsum" in mode.options else None,
+                   resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
+                   activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
+                   eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options,
+                   base_dtype=mode.base)
+    if "auto" in mode.options:
+        options.update(_auto_layout(mode, model, options, a))
+    off = offload_ext.Offloader(model, lr=a.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, weights=weights,
+                                **options)
     return model, off, None
+
+
+def _auto_layout(mode: Mode, model: torch.nn.Module, options: dict[str, Any], a: argparse.Namespace) -> dict[str, int]:
+    """Resident layers and device buffers as offload-train's `--resident-layers auto --device-layers auto` picks
+    them, for this mode's micro-batch on this GPU (its cap, when the run has one); an rN suffix fixes the resident
+    count and leaves the buffers to the choice."""
+    cfg = offload_ext.OffloadConfig.from_options(**{**options, "resident_layers": mode.option("r") or 0,
+                                                    "device_layers": 2})
+    settings = Settings(cfg, batch_size=a.batch // mode.accum, seq_len=a.seq)
+    cap = int(a.gpu_cap_gb * 1e9) if a.gpu_cap_gb and a.device == "cuda" else None
+    choice = choose_layout(model, settings, plan_machine(a.device, gpu_memory=cap, model=model),
+                           resident=mode.option("r"))
+    print(f"  {mode.name}: auto layout {choice.flags} ({choice.reason})", flush=True)
+    return dict(resident_layers=choice.resident_layers, device_layers=choice.device_layers)
 
 
 def _layers(model: torch.nn.Module) -> torch.nn.Module:
@@ -599,6 +620,7 @@ class _ModeRun:
         if off is not None:
             row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
             row["setup_parts_s"] = dict(off.setup_seconds)
+            row["layout"] = {k: getattr(off.config.tuning, k) for k in ("resident_layers", "device_layers")}
             off.close()
         if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
             row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))

@@ -77,15 +77,26 @@ def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
     return rows
 
 
+def _auto(shape: str, recipes: list[str], cap: float | None) -> list[Row]:
+    """The engine with the layout it chooses itself (bench_train's auto), against resident-lean of each recipe."""
+    return [Row(f"auto-{recipe or 'plain'}", shape, f"native-bf16-auto{f'-{recipe}' if recipe else ''}",
+                f"resident-{recipe or 'plain'}", cap) for recipe in recipes]
+
+
 B1_RECIPES = ["", "clipreal", "clipall", "accum2", "accum4"]
+AUTO_RECIPES = ["", "clipreal", "accum2"]
 PRESETS: dict[str, list[Row]] = {
     "b1": [*_pairs("b1", B1_RECIPES, None),
            Row("mixed", "b1", "native-mixed", "resident-plain"),
            Row("compiled-resident", "b1", "resident-lean", compile=True),
            Row("compiled", "b1", "native-bf16", "compiled-resident", compile=True),
+           *_auto("b1", AUTO_RECIPES, None),
+           # the best hand-picked layout of the earlier runs: 12 of 16 layers resident, a buffer for each
+           Row("handpicked-accum2", "b1", "native-bf16-d16-r12-accum2", "resident-accum2"),
            *_peers("b1", None, zero2=True)],
     "b2": [*_pairs("b2", B1_RECIPES, CAP_GB),
            Row("mixed", "b2", "native-mixed", "resident-plain", CAP_GB),
+           *_auto("b2", AUTO_RECIPES, CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
     # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward
