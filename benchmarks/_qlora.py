@@ -7,21 +7,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offload_ext.models.quantized_base import dequantize, quantizable, quantize_into, stored_elements
+from offload_ext.models.quantized_base import dequantize, quantize_into, quantized_linears, stored_elements
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.models.weight_source import WeightSource, make_real
-
-
-def _frozen_linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for _, stack in find_layer_stacks(model) for layer in stack for m in layer.modules()
-            if isinstance(m, nn.Linear) and not m.weight.requires_grad]
 
 
 def hold_base(model: nn.Module, fmt: str, device: str, weights: WeightSource) -> None:
     """The frozen linear weights of `model`'s layers held in `fmt` on `device`, as described above, each read from
     `weights` where it is still on the meta device: one matrix at a time in bf16 (the 70 B shape's base would not
     fit the host, nor the GPU, whole in bf16)."""
-    linears = [m for m in _frozen_linears(model) if quantizable(fmt, m.weight.shape)]
+    linears = [m for _, stack in find_layer_stacks(model) for layer in stack for m in quantized_linears(layer, fmt)]
 
     def value(m: nn.Linear) -> torch.Tensor:
         p = m.weight

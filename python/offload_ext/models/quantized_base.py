@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 BASE_DTYPES = ("int8", "fp8", "nf4")
 NF4_BLOCK = 64  # QLoRA's block size
@@ -41,6 +42,12 @@ def quantizable(fmt: str, shape: torch.Size) -> bool:
     if len(shape) != 2:
         return False
     return fmt != "nf4" or shape.numel() % NF4_BLOCK == 0
+
+
+def quantized_linears(module: nn.Module, fmt: str) -> list[nn.Linear]:
+    """The linear layers under `module` whose weight `fmt` holds: frozen (LoRA's base), of a shape it can."""
+    return [m for m in module.modules()
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad and quantizable(fmt, m.weight.shape)]
 
 
 def _scale_count(fmt: str, shape: torch.Size) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from offload_ext.optim import eight_bit
 from offload_ext.planning.host_sizes import Alternative, HostBlock, HostNeed, available_host_bytes, check_host_memory
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
@@ -90,6 +91,19 @@ def check_loaded_groups(groups: list[dict[str, Any]]) -> None:
             if group.get(key):
                 raise ValueError(f"CPUAdamW.load_state_dict: param group {k} was saved with {key}=True, which "
                                  "CPUAdamW does not implement; continue it with torch.optim.AdamW")
+
+
+def check_loaded_moments(state: dict[str, torch.Tensor], numel: int, expected: bool) -> None:
+    """Refuse a loaded parameter state whose moments are not what this group keeps: 8-bit codes and their scales
+    for `numel` elements (`expected`), or moments of another kind."""
+    held = "exp_avg_absmax" in state
+    if held != expected:
+        saved, asked = ("8-bit", "eight_bit=False") if held else ("full-width", "eight_bit=True")
+        raise ValueError(f"CPUAdamW: the state has {saved} moments and this group {asked}: build the optimizer "
+                         "with the groups' eight_bit as saved")
+    if held and (state["exp_avg"].numel() != numel or state["exp_avg_absmax"].numel() != eight_bit.num_blocks(numel)):
+        raise ValueError(f"CPUAdamW: the saved 8-bit moments are for {state['exp_avg'].numel()} elements, the "
+                         f"parameter has {numel}")
 
 
 def check_seed(state_dict: dict[str, Any], seed: int, who: str) -> None:

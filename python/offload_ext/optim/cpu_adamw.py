@@ -17,6 +17,7 @@ from offload_ext.optim.adamw_checks import (
     check_host_memory_for,
     check_hyper,
     check_loaded_groups,
+    check_loaded_moments,
     check_param,
     check_seed,
 )
@@ -294,7 +295,7 @@ class CPUAdamW(torch.optim.Optimizer):
             for index, p in zip(saved_group["params"], group["params"]):
                 if index in saved_state and self._own_dtype_states(p, merged):
                     own_dtype[id(p)] = {k: v for k, v in saved_state[index].items() if k != "step"}
-                    eight_bit.check_loaded_state(own_dtype[id(p)], p.numel(), bool(merged.get("eight_bit")))
+                    check_loaded_moments(own_dtype[id(p)], p.numel(), bool(merged.get("eight_bit")))
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:

@@ -86,19 +86,6 @@ def zero_state(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return exp_avg, exp_avg_sq, torch.zeros(num_blocks(numel)), torch.zeros(num_blocks(numel))
 
 
-def check_loaded_state(state: dict[str, torch.Tensor], numel: int, expected: bool) -> None:
-    """Refuse a loaded parameter state whose moments are not what this group keeps: 8-bit codes and their scales
-    for `numel` elements (`expected`), or moments of another kind."""
-    held = "exp_avg_absmax" in state
-    if held != expected:
-        saved, asked = ("8-bit", "eight_bit=False") if held else ("full-width", "eight_bit=True")
-        raise ValueError(f"CPUAdamW: the state has {saved} moments and this group {asked}: build the optimizer "
-                         "with the groups' eight_bit as saved")
-    if held and (state["exp_avg"].numel() != numel or state["exp_avg_absmax"].numel() != num_blocks(numel)):
-        raise ValueError(f"CPUAdamW: the saved 8-bit moments are for {state['exp_avg'].numel()} elements, the "
-                         f"parameter has {numel}")
-
-
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     """x (fp32, flat) as [blocks, BLOCK], the last block padded with zeros (which change no absmax)."""
     pad = num_blocks(x.numel()) * BLOCK - x.numel()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload_ext.models.quantized_base import quantizable, stored_elements
+from offload_ext.models.quantized_base import quantized_linears, stored_elements
 from offload_ext.models.stacks import find_layer_stacks
 
 
@@ -163,8 +163,7 @@ def _quantized(layer: nn.Module, base_dtype: str | None) -> dict[int, str]:
     """The layer's frozen linear weights that `base_dtype` holds (those of a shape it can), by parameter id."""
     if base_dtype is None:
         return {}
-    return {id(m.weight): base_dtype for m in layer.modules()
-            if isinstance(m, nn.Linear) and not m.weight.requires_grad and quantizable(base_dtype, m.weight.shape)}
+    return {id(m.weight): base_dtype for m in quantized_linears(layer, base_dtype)}
 
 
 def speculative_units(layout: Layout) -> frozenset[int]:

@@ -8,6 +8,7 @@ The figures are memory_plan's: the same decisions and host blocks a real Offload
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -114,7 +115,7 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
                       machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
                       tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),
                       host_activation_bytes(model, settings, ev.choices),
-                      host_bytes_per_param(model, settings, machine, group_of))
+                      functools.partial(host_bytes_per_param, model, settings, machine, group_of))
 
 
 def host_bytes_per_param(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf

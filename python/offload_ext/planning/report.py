@@ -2,7 +2,9 @@
 (host RAM pinned and pageable, GPU memory by phase, the largest batch, and the settings that need less)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.gpu import GpuEstimate
@@ -42,8 +44,15 @@ class MemoryPlan:
     reasons: tuple[str, ...]
     options: tuple[str, ...]
     host_activations: int = 0  # activation_offload's host slots: one input per checkpointed layer
-    # (precision, without clipping, with clipping): the engine's host buffers per parameter, every unit speculating
-    host_per_param: tuple[tuple[str, float, float], ...] = ()
+    # computes host_per_param, when it is read: six more evaluations of the model, for the printed plan only
+    per_param_of: Callable[[], tuple[tuple[str, float, float], ...]] | None = field(default=None, repr=False,
+                                                                                   compare=False)
+
+    @functools.cached_property
+    def host_per_param(self) -> tuple[tuple[str, float, float], ...]:
+        """(precision, without clipping, with clipping): the engine's host buffers per parameter, every unit
+        speculating."""
+        return self.per_param_of() if self.per_param_of is not None else ()
 
     @property
     def host_pinned(self) -> int:
