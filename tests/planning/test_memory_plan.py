@@ -129,6 +129,24 @@ def test_a_model_the_host_cannot_hold_is_refused_before_any_buffer(backend, monk
     assert not prepared  # no host buffer was asked for
 
 
+def test_a_lora_base_the_host_cannot_hold_in_bf16_is_offered_in_int8_and_nf4_with_their_figures() -> None:
+    from offload_ext.models.lora import add_lora
+
+    model = add_lora(_meta_llama(), 4, 8, ("q_proj", "v_proj"))  # ~0.12 B streamed: ~0.24 GB of bf16 base
+    bf16 = offload_ext.plan(model, device="cpu", host_memory="10GB")
+    memory = offload_ext.plan(model, device="cpu", host_memory=int(bf16.host_total * 0.8 * 8 / 7))
+    assert not memory.fits
+    host = [o for o in memory.options if o.startswith("host: ")]
+    assert not any(o.startswith("host: LoRA ") for o in host), host  # it is LoRA already
+    for fmt in ("int8", "nf4"):
+        held = offload_ext.plan(model, device="cpu", host_memory="10GB", base_dtype=fmt)
+        line = f"host: base_dtype='{fmt}' (saves {(memory.host_total - held.host_total) / 1e9:.1f} GB: " \
+               f"{held.host_total / 1e9:.1f} GB in all, which fits;"
+        assert any(o.startswith(line) for o in host), (line, host)
+    full = offload_ext.plan(_meta_llama(), device="cpu", host_memory="0.5GB")  # a full fine-tune: no base to hold
+    assert not full.fits and not any("base_dtype" in o for o in full.options)
+
+
 def test_speculation_is_planned_as_high_up_as_the_host_holds_it() -> None:
     model = _meta_llama(layers=8)
     full = offload_ext.plan(model, device="cpu", max_grad_norm=1.0, host_memory="100GB")

@@ -43,7 +43,10 @@ def _options(model: nn.Module, ev: Evaluation, machine: Machine, group_of: Group
     for the host the backend's own alternatives, for the GPU the settings below evaluated again."""
     options = []
     if not ev.host_fits(machine):
-        options += ["host: " + a.describe(ev.host.need.total, machine.host_available) for a in ev.host.alternatives]
+        alternatives = [*ev.host.alternatives, *_quantized_bases(model, ev, machine, group_of)]
+        if any(not p.requires_grad for p in model.parameters()):  # already LoRA: "train LoRA" is no way out
+            alternatives = [a for a in alternatives if a.option != "LoRA"]
+        options += ["host: " + a.describe(ev.host.need.total, machine.host_available) for a in alternatives]
     if not ev.gpu_fits(machine):
         rows = [(text, evaluate(model, ev.settings.with_changes(**change), machine, group_of))
                 for text, change in _gpu_changes(model, ev, machine)]
@@ -52,6 +55,26 @@ def _options(model: nn.Module, ev: Evaluation, machine: Machine, group_of: Group
         options += [f"GPU: {text} (GPU {alt.gpu.needed / _GB:.1f} GB, host {alt.host.need.total / _GB:.1f} GB"
                     f"{', both fit' if alt.fits(machine) else ''})"
                     for text, alt in rows if alt.gpu.needed < ev.gpu.needed]
+    return options
+
+
+# LoRA's frozen base held smaller (offload_ext.models.quantized_base): fp8 needs what int8 does
+BASE_NOTES = {"int8": "the frozen base's linear weights in int8, a scale per row",
+              "nf4": "the frozen base's linear weights in NF4, bitsandbytes' QLoRA layout"}
+
+
+def _quantized_bases(model: nn.Module, ev: Evaluation, machine: Machine,
+                     group_of: GroupOf) -> list[host_sizes.Alternative]:
+    """For LoRA (a frozen base in the streamed layers, held in bf16), the base held in 8 and in 4 bits instead."""
+    if ev.settings.config.base_dtype is not None:
+        return []
+    options = []
+    for fmt, note in BASE_NOTES.items():
+        try:
+            alt = evaluate(model, ev.settings.with_changes(base_dtype=fmt), machine, group_of)
+        except ValueError:  # no frozen base (a full fine-tune), or a setting base_dtype does not take
+            return []
+        options.append(host_sizes.Alternative(f"base_dtype={fmt!r}", alt.host.need.total, note))
     return options
 
 
