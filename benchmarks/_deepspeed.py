@@ -1,5 +1,6 @@
 """DeepSpeed as bench_train's peer: ZeRO stage 3 with parameters and optimizer states offloaded to pinned
-host memory (or stage 2, the optimizer states only), DeepSpeedCPUAdam, one process on one device.
+host memory (or stage 2, the optimizer states only), DeepSpeedCPUAdam, one process on one device; or its ZenFlow
+and SuperOffload engines (Zero.variant).
 
 Precision, named as the offload_ext modes are: "bf16" keeps bf16 masters, gradients and Adam moments on
 the host (bf16_master_weights_and_grads + bf16_optimizer_states, what native-bf16 keeps); "mixed" is
@@ -60,12 +61,28 @@ class Zero:
     stage: int = 3
     tuned: bool = False
     layer_numel: int = 0
+    # DeepSpeed's newer offload engines, each with the settings its own tutorial gives: "zenflow" (ZeRO-2: the
+    # top 5 % of gradients by norm stepped on the device every step, the rest on the host every 4th step, summed
+    # meanwhile: not AdamW's rule) or "superoffload" (ZeRO-3 with the weights on the device, 90 % of the optimizer
+    # state on the host, stepped by 90 % of the cores; made for CPU-GPU superchips)
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        wanted = {"zenflow": 2, "superoffload": 3}
+        if self.variant is not None and wanted.get(self.variant) != self.stage:
+            raise ValueError(f"deepspeed: {self.variant!r} runs on ZeRO stage {wanted.get(self.variant, '2 or 3')}, "
+                             f"got stage {self.stage}")
 
     def section(self, offload: dict[str, Any]) -> dict[str, Any]:
         """The zero_optimization section of the config."""
         zero: dict[str, Any] = {"stage": self.stage, "offload_optimizer": dict(offload)}
-        if self.stage == 3:
+        if self.variant == "superoffload":
+            zero["offload_optimizer"].update(super_offload=True, ratio=0.90, cpuadam_cores_perc=0.90)
+        elif self.stage == 3:
             zero["offload_param"] = dict(offload)
+        if self.variant == "zenflow":
+            zero["zenflow"] = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+                               "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
         if self.tuned:
             if self.layer_numel <= 0:
                 raise ValueError("deepspeed: a tuned ZeRO needs the elements of one layer (layer_numel > 0)")
@@ -149,8 +166,13 @@ class ZeroRun:
             return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True,
                                     fp32_optimizer_states=precision == "mixed")
 
-        self.engine, *_ = deepspeed.initialize(model=wrapped, model_parameters=wrapped.parameters(),
-                                               optimizer=make_optimizer, config=config)
+        client: dict[str, Any] = {"optimizer": make_optimizer}
+        if zero.variant is not None:  # each brings its own CPU Adam, which DeepSpeed builds from the config
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
+                                                               "weight_decay": weight_decay}}
+            client = {}
+        self.engine, *_ = deepspeed.initialize(model=wrapped, model_parameters=wrapped.parameters(), config=config,
+                                               **client)
         _live.append(self)
         self.setup_seconds = {"op_load": t1 - t0, "dist_init": t2 - t1, "partition": t3 - t2,
                               "initialize": time.perf_counter() - t3}

@@ -39,7 +39,9 @@ nothing to step.
 deepspeed-precision[-tuned][-recipe] (e.g. deepspeed-bf16, deepspeed-bf16-tuned-clipall, deepspeed-mixed-accum2) is
 DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory and DeepSpeedCPUAdam (tuned: its
 buckets and prefetch sized to the model's layers, overlap_comm; see _deepspeed.zero_config), deepspeed2-... the same
-with ZeRO-2, where only the optimizer is offloaded (the weights must fit on the GPU), one
+with ZeRO-2, where only the optimizer is offloaded (the weights must fit on the GPU); zenflow (ZeRO-2, e.g.
+deepspeed2-bf16-zenflow-clipreal) and superoffload (ZeRO-3, the weights on the GPU) take DeepSpeed's newer offload
+engines with their tutorials' settings (ZenFlow steps most gradients every 4th step: not AdamW's rule), one
 process on one GPU, under the same GPU cap, loss, checkpointing and AdamW settings (benchmarks/_deepspeed.py;
 bf16: bf16 masters and moments as native-bf16, mixed: DeepSpeed's stock fp32 masters as native-mixed).
 Below the table, each DeepSpeed mode's step time over the native mode of the same precision and recipe.
@@ -110,8 +112,10 @@ PRESETS = {
 }
 CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3, "clipreal": 1.0}
 # the mode suffixes without a number
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto")
 PEERS = ("deepspeed", "deepspeed2", "torchao")  # the other offloading libraries' modes
+# DeepSpeed's newer offload engines (_deepspeed.Zero.variant), by the backend (ZeRO stage) each runs on
+DS_VARIANTS = {"zenflow": "deepspeed2", "superoffload": "deepspeed"}
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto", *DS_VARIANTS)
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,10 +153,13 @@ class Mode:
             raise SystemExit(f"bench_train: mode {name!r}: base<format> takes one of {BASE_DTYPES} and a loraN")
         options = tuple(o for o in rest
                         if o not in CLIP_NORMS and not o.startswith(("accum", "lora", "ckpt", "base")))
-        if backend in PEERS and (set(options) - {"tuned"} or lora or ckpt != "all"
+        if backend in PEERS and (set(options) - {"tuned", *DS_VARIANTS} or lora or ckpt != "all"
                                  or precision not in _deepspeed.PRECISIONS):
             raise SystemExit(f"bench_train: mode {name!r}: {backend} takes a precision in {_deepspeed.PRECISIONS}, "
-                             "the clip and accum suffixes and (deepspeed) tuned only")
+                             "the clip and accum suffixes and (deepspeed) tuned, zenflow or superoffload only")
+        variant = next((o for o in options if o in DS_VARIANTS), None)
+        if variant is not None and DS_VARIANTS[variant] != backend:
+            raise SystemExit(f"bench_train: mode {name!r}: {variant} is a {DS_VARIANTS[variant]} mode")
         numbered = rf"({'|'.join(NUMBERED_OPTIONS)})\d+"
         unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(numbered, o)]
         if unknown:
@@ -362,7 +369,8 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
         offload_ext.enable_activation_checkpointing(model)
         layer_numel = sum(p.numel() for p in _layers(model)[0].parameters())
         tuning = _deepspeed.Zero(stage=2 if mode.backend == "deepspeed2" else 3, tuned="tuned" in mode.options,
-                                 layer_numel=layer_numel)
+                                 layer_numel=layer_numel,
+                                 variant=next((v for v in DS_VARIANTS if v in mode.options), None))
         run = _deepspeed.ZeroRun(model, offload_ext.causal_lm_loss, device=a.device, batch=a.batch, accum=mode.accum,
                                  max_grad_norm=mode.max_grad_norm, precision=mode.precision, lr=a.lr, betas=BETAS,
                                  eps=EPS, weight_decay=WEIGHT_DECAY, zero=tuning)

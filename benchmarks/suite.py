@@ -71,8 +71,10 @@ def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
     """The other offloading libraries on clip 1.0, each compared with the engine's clipreal row."""
     rows = [Row("deepspeed-stock", shape, "deepspeed-bf16-clipreal", "clipreal", cap),
             Row("deepspeed-tuned", shape, "deepspeed-bf16-tuned-clipreal", "clipreal", cap)]
-    if zero2:  # ZeRO-2 and torchao keep the weights on the GPU: where they fit
+    if zero2:  # ZeRO-2, SuperOffload and torchao keep the weights on the GPU: where they fit
         rows += [Row("deepspeed2-tuned", shape, "deepspeed2-bf16-tuned-clipreal", "clipreal", cap),
+                 Row("deepspeed-zenflow", shape, "deepspeed2-bf16-tuned-zenflow-clipreal", "clipreal", cap),
+                 Row("deepspeed-superoffload", shape, "deepspeed-bf16-tuned-superoffload-clipreal", "clipreal", cap),
                  Row("torchao", shape, "torchao-bf16-clipreal", "clipreal", cap)]
     return rows
 
