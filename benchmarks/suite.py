@@ -31,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -123,6 +124,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every row (each ratio is shown per round)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each row in each round")
+    ap.add_argument("--row-timeout", type=float, default=600.0, metavar="S",
+                    help="kill a row's process after S seconds (its row then says so)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the simulated device with --shape tiny, for a run of the suite itself")
     ap.add_argument("--shape-args", default="", metavar="ARGS",
@@ -179,9 +182,14 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
     with open(stem + ".log", "w") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(_command(row, a, stem), stdout=log, stderr=subprocess.STDOUT, env=env)
+        timer = threading.Timer(a.row_timeout, proc.kill)  # a row that hangs costs its own time, not the suite's
+        timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
+        timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t0
+    if seconds >= a.row_timeout:
+        return {"error": f"killed after --row-timeout {a.row_timeout:g} s", "process_s": seconds}
     if proc.returncode != 0 or not os.path.exists(stem + ".json"):
         with open(stem + ".log") as f:
             tail = " ".join(f.read().split()[-40:])

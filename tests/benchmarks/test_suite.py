@@ -76,3 +76,22 @@ def test_an_fsdp_row_runs_under_torchrun_with_its_peers(tmp_path) -> None:
     ours = rows["fsdp-overlap-clip"]
     assert "error" not in ours and len(ours["rounds"][0]["step_times_s"]) == 2
     assert ours["round_ratio"] == [ours["round_step_s"][0] / rows["fsdp-torchfused-clip"]["round_step_s"][0]]
+
+
+def test_a_row_past_its_time_is_killed_and_its_row_says_so(tmp_path) -> None:
+    done = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "auto-plain",
+                           "--rounds", "1", "--steps", "1", "--warmup", "0", "--row-timeout", "0.5", "--device", "cpu",
+                           "--shape-args", TINY, "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {r["key"]: r for r in json.loads((tmp_path / "suite_b1.json").read_text())["rows"]}
+    assert list(rows) == ["resident-plain", "auto-plain"]
+    assert all(r["error"] == "killed after --row-timeout 0.5 s" for r in rows.values())
+
+
+def test_the_auto_row_records_the_layout_it_chose(tmp_path) -> None:
+    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "auto-plain", "--rounds", "1",
+                    "--steps", "1", "--warmup", "0", "--device", "cpu", "--shape-args", TINY, "--out", str(tmp_path)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    row = json.loads((tmp_path / "suite_b1" / "auto-plain-r1.json").read_text())["rows"][0]
+    # the simulated device has no GPU figure to plan with: none resident, two buffers (auto_layout's fallback)
+    assert row["mode"] == "native-bf16-auto" and row["layout"] == {"resident_layers": 0, "device_layers": 2}
