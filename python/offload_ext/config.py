@@ -21,8 +21,24 @@ from offload_ext.models.quantized_base import BASE_DTYPES
 
 # "bf16": bf16 params and moments, rounded to nearest; "bf16-sr": the same buffers, params and exp_avg_sq
 # rounded stochastically (offload_ext.optim.stochastic_rounding); "mixed": fp32 master and moments, bf16 params
-# for the device.
-PRECISIONS = ("bf16", "bf16-sr", "mixed")
+# for the device; "bf16-8bit" ("-sr": the params rounded stochastically): bf16 params, the host's moments in 8
+# bits a value (offload_ext.optim.eight_bit's block-wise rule; what stays on the device steps as "bf16").
+PRECISIONS = ("bf16", "bf16-sr", "mixed", "bf16-8bit", "bf16-8bit-sr")
+
+
+def stochastic(precision: str) -> bool:
+    """Whether the precision rounds the params stochastically (from sr_seed's streams)."""
+    return precision.endswith("-sr")
+
+
+def eight_bit(precision: str) -> bool:
+    """Whether the precision keeps the host's moments in 8 bits."""
+    return precision.startswith("bf16-8bit")
+
+
+def device_precision(precision: str) -> str:
+    """The precision of what steps on the device (its optimizer has no 8-bit moments)."""
+    return precision.replace("-8bit", "")
 ENGINES = ("native", "python")
 CHECKPOINTING = ("all", "none", "auto")
 
@@ -146,7 +162,8 @@ class OffloadConfig:
     """What a user decides about an offloaded run. `tuning` holds the engine's expert switches."""
 
     precision: str = knob("bf16", "parameter and optimizer-state precision on the host",
-                          "'bf16', 'bf16-sr' (stochastic rounding) or 'mixed' (fp32 masters and moments)",
+                          "'bf16', 'bf16-sr' (stochastic rounding), 'mixed' (fp32 masters and moments), "
+                          "'bf16-8bit' or 'bf16-8bit-sr' (the host's moments in 8 bits)",
                           lambda v: v in PRECISIONS, cli="--precision")
     device: str | torch.device = knob("cuda", "where layers compute ('cpu': the simulated device, for tests)",
                                       "'cuda', 'cuda:N' or 'cpu'", _device, cli="--device")

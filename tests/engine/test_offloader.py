@@ -63,10 +63,11 @@ def test_python_and_native_backends_agree_in_mixed_precision() -> None:
         assert torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
 
 
-def _run_state(base: nn.Module, backend: str, steps: int = 4, **kw) -> tuple[list[float], list[torch.Tensor], dict]:
-    """(losses, trained weights, host state) of a bf16-sr run on the simulated device."""
+def _run_state(base: nn.Module, backend: str, steps: int = 4, precision: str = "bf16-sr", **kw
+               ) -> tuple[list[float], list[torch.Tensor], dict]:
+    """(losses, trained weights, host state) of a run on the simulated device."""
     model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision="bf16-sr", backend=backend, device="cpu",
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend=backend, device="cpu",
                                 sr_seed=5, **kw)
     losses = offloaded_training(off, model, batches(steps * off.grad_accum))
     state = off.state_dict()
@@ -74,25 +75,29 @@ def _run_state(base: nn.Module, backend: str, steps: int = 4, **kw) -> tuple[lis
     return losses, [p.detach().clone() for p in model.parameters()], state
 
 
-# The python backend steps bf16-sr by offload_ext.optim.stochastic_rounding's torch ops, the native one by the
-# kernel; the variants take the engine through group ranges, slices, accumulation inside the step, speculative
-# steps and their redos (the python backend clips after backward), the part outside the stacks as a unit, and
-# resident layers and device-kept parameters stepped by the torch ops on the device.
+# The python backend steps bf16-sr by offload_ext.optim.stochastic_rounding's torch ops and the 8-bit precisions
+# by offload_ext.optim.eight_bit's, the native one by the kernels; the variants take the engine through group
+# ranges, slices (8-bit: cut where a block of the range ends), accumulation inside the step, speculative steps and
+# their redos (the python backend clips after backward), the part outside the stacks as a unit, and resident
+# layers and device-kept parameters stepped by the torch ops on the device.
+@pytest.mark.parametrize("precision", ["bf16-sr", "bf16-8bit", "bf16-8bit-sr"])
 @pytest.mark.parametrize("common, native_only", [
     ({}, {}),
     ({"no_decay": ("norm", "bias")}, {"slice_elements": 777, "num_threads": 2}),
     ({"grad_accum": 2, "max_grad_norm": 0.5}, {}),
+    ({"max_grad_norm": 1e-3}, {"slice_elements": 1000}),
     ({"offload_all": True, "resident_layers": 1}, {}),
 ])
-def test_python_and_native_backends_agree_bit_for_bit_in_bf16_sr(common, native_only) -> None:
+def test_python_and_native_backends_agree_bit_for_bit(precision, common, native_only) -> None:
     base = tiny_llama(layers=3)
-    python = _run_state(base, "python", **common)
-    native = _run_state(base, "native", **common, **native_only)
+    python = _run_state(base, "python", precision=precision, **common)
+    native = _run_state(base, "native", precision=precision, **common, **native_only)
     assert python[0] == native[0]
     for a, b in zip(python[1], native[1]):
         assert torch.equal(a, b)
     for a, b in zip(python[2]["layers"], native[2]["layers"]):
-        assert all(torch.equal(a[k], b[k]) for k in ("params", "exp_avg", "exp_avg_sq"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if a[k] is not None)
+        assert (a["exp_avg_absmax"] is not None) == precision.startswith("bf16-8bit")
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed

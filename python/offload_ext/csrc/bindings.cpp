@@ -193,9 +193,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("exp_avg_sq"), py::arg("param_out") = py::none(), py::arg("accum") = py::none(),
            py::arg("groups") = std::vector<std::tuple<int, int64_t, int64_t>>{},
            py::arg("alt") = std::vector<at::Tensor>{}, py::arg("sr_seed") = py::none(), py::arg("sr_stream") = 0,
+           py::arg("eight_bit") = std::vector<at::Tensor>{},
            "A unit to step; `groups`: (parameter group, begin, end) ranges covering it, in order (default: all "
-           "of it in group 0); `alt`: second state buffers [like param, like exp_avg, like exp_avg_sq] for "
-           "speculative clipping; `sr_seed` (bf16 units): stochastic rounding from stream (sr_seed, sr_stream).")
+           "of it in group 0); `alt`: second state buffers [like param, like exp_avg, like exp_avg_sq (8-bit: "
+           "and like each absmax)] for speculative clipping; `sr_seed` (bf16 units): stochastic rounding from stream "
+           "(sr_seed, sr_stream); `eight_bit`: [exp_avg_absmax, exp_avg_sq_absmax, codes] of a unit whose moments "
+           "are uint8 codes (codes: exp_avg's 256 then exp_avg_sq's; an absmax per 256 elements of each range).")
       .def("set_hyper", &Engine::set_hyper, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("step"), py::arg("group") = 0)
       .def("notify", &Engine::notify, py::arg("unit"), "Queue a step of `unit` with gradients already in place.")

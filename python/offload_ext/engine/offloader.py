@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.config import OffloadConfig, check_hyper, resolve_device
+from offload_ext.config import OffloadConfig, check_hyper, device_precision, resolve_device, stochastic
 from offload_ext.engine.activation_offload import HostActivations
 from offload_ext.engine.backends import Backend, Hyper, LayerBuffers, make_backend
 from offload_ext.engine.backward import BackwardHooks
@@ -101,7 +101,7 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
         self.model = model
         self.precision, self.backend_name = cfg.precision, t.backend
         # saved with the state: a resume continues the rounding stream
-        self._sr_seed = cfg.sr_seed if cfg.precision == "bf16-sr" else None
+        self._sr_seed = cfg.sr_seed if stochastic(cfg.precision) else None
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
@@ -133,7 +133,8 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
                                               for part in self.layout.parts for u in part.units]
         self._rings, self._grad_paths = self._device_side(t.device_layers, t.eager_uploads)
         t2 = time.perf_counter()
-        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device, cfg.precision,
+        self._device_opt = DeviceOptimizer(self.layout.device_params, model, self.device,
+                                           device_precision(cfg.precision),
                                            self._hyper_dicts(), group_of, cfg.sr_seed)
         self.setup_seconds = {"pin": t1 - t0, "fill": t2 - t1, "outer_to_device": time.perf_counter() - t2}
         for path in self._grad_paths:

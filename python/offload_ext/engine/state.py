@@ -13,7 +13,7 @@ from offload_ext.models.quantized_base import dequantize
 from offload_ext.models.safetensors_io import SafetensorsCheckpoint, TensorSource
 from offload_ext.planning.layout import Layout, Span
 
-_HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master")
+_HOST_KEYS = ("params", "exp_avg", "exp_avg_sq", "master", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 def host_state(host: list[LayerBuffers]) -> list[dict[str, torch.Tensor | None]]:

@@ -37,9 +37,11 @@ import math
 import torch
 
 from offload_ext import ops
+from offload_ext.config import eight_bit
 from offload_ext.optim import stochastic_rounding
+from offload_ext.planning.host_sizes import EIGHT_BIT_BLOCK
 
-BLOCK = 256
+BLOCK = EIGHT_BIT_BLOCK
 CODES = 256
 _EXPONENTS = 7
 _MASK32 = (1 << 32) - 1
@@ -77,12 +79,26 @@ def num_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def eight_bit_codes() -> torch.Tensor:
+    """Both maps in one fp32 tensor, exp_avg's 256 codes then exp_avg_sq's: what the engine's 8-bit units read."""
+    return torch.cat(_maps())
+
+
+def zero_code(which: int) -> int:
+    """The index of code 0 in exp_avg's map (`which` 0) or exp_avg_sq's (1): a moment at zero."""
+    return int(torch.nonzero(_maps()[which] == 0))
+
+
+def moment_dtype(precision: str) -> torch.dtype:
+    """The host's moments' dtype in `precision`: fp32 in "mixed", uint8 codes in the 8-bit ones, else bf16."""
+    return torch.float32 if precision == "mixed" else torch.uint8 if eight_bit(precision) else torch.bfloat16
+
+
 def zero_state(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax) of a span of `numel` elements whose moments are
     zero, as a first step expects them: each index that of code 0, each absmax 0."""
-    signed, unsigned = _maps()
-    exp_avg = torch.full((numel,), int(torch.nonzero(signed == 0)), dtype=torch.uint8)
-    exp_avg_sq = torch.full((numel,), int(torch.nonzero(unsigned == 0)), dtype=torch.uint8)
+    exp_avg = torch.full((numel,), zero_code(0), dtype=torch.uint8)
+    exp_avg_sq = torch.full((numel,), zero_code(1), dtype=torch.uint8)
     return exp_avg, exp_avg_sq, torch.zeros(num_blocks(numel)), torch.zeros(num_blocks(numel))
 
 

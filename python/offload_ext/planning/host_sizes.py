@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload_ext.config import parse_size
+from offload_ext.config import eight_bit, parse_size
 
 PAGE = 4096
 # Room each native block leaves for its start past a page boundary (Engine.next_offset) and the rounding of
@@ -100,9 +100,25 @@ def frozen_units(sizes: Sizes) -> Sizes:
     return tuple((n, 0) for n, _ in sizes)
 
 
+# Elements that share one fp32 absmax in the 8-bit precisions (offload_ext.optim.eight_bit's rule)
+EIGHT_BIT_BLOCK = 256
+
+
 def moment_bytes(precision: str) -> int:
-    """Bytes of each moment's element: fp32 in "mixed", bf16 otherwise."""
-    return 4 if precision == "mixed" else 2
+    """Bytes of each moment's element: fp32 in "mixed", one in the 8-bit precisions, bf16 otherwise."""
+    return 4 if precision == "mixed" else 1 if eight_bit(precision) else 2
+
+
+def absmax_slots(trainable: int) -> int:
+    """The absmaxes each 8-bit moment of a unit is given: one a block, counted from the start of each of its
+    group ranges; enough for two ranges (the trainable weights and those without weight decay). A unit with more
+    takes what it needs, one slot more for each further range: 4 bytes more than planned."""
+    return -(-trainable // EIGHT_BIT_BLOCK) + 1
+
+
+def absmax_bytes(precision: str, trainable: int) -> int:
+    """Bytes of one moment's absmaxes (none outside the 8-bit precisions)."""
+    return 4 * absmax_slots(trainable) if eight_bit(precision) else 0
 
 
 _LORA = "the frozen base's bf16 params; adapters not counted"
@@ -164,19 +180,22 @@ class NativeHostPlan:
     def second_buffers(self, index: int, numel: int, trainable: int) -> list[tuple[int, bool]]:
         """(bytes, page-locked) of each second buffer new_layer gives unit `index` for speculative clipping,
         in its order: whole params (page-locked, "bf16": the next forward copies from them once swapped) or
-        the fp32 master, then both moments."""
+        the fp32 master, then both moments (8-bit: and their absmaxes)."""
         if index not in self.speculative_units:
             return []
         redo = index in self.device_redo_units
         first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, redo)
-        return [first] + [(moment_bytes(self.precision) * trainable, redo)] * 2
+        absmax = [(absmax_bytes(self.precision, trainable), redo)] * 2 if eight_bit(self.precision) else []
+        return [first] + [(moment_bytes(self.precision) * trainable, redo)] * 2 + absmax
 
     def state(self, index: int, trainable: int) -> list[HostBlock]:
-        """In new_layer()'s order: both moments, then ("mixed") the fp32 master; page-locked for a unit whose
-        redos run on the device."""
+        """In new_layer()'s order: both moments (8-bit: then their absmaxes), then ("mixed") the fp32 master;
+        page-locked for a unit whose redos run on the device."""
         redo = index in self.device_redo_units
         tag = " (redone on the device)" if redo else ""
         blocks = [self._block("moments" + tag, moment_bytes(self.precision) * trainable, redo)] * 2
+        if eight_bit(self.precision):
+            blocks += [self._block("moments' absmaxes", absmax_bytes(self.precision, trainable), redo)] * 2
         return blocks + ([self._block("fp32 master" + tag, 4 * trainable, redo)] if self.precision == "mixed" else [])
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
@@ -282,6 +301,8 @@ def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate:
     blocks = [HostBlock("params and gradients", 2 * (python_arena_elements(sizes, own_grads) + PYTHON_ALIGN), True)]
     for _, t in (*sizes, *own_grads):
         blocks += [HostBlock("moments", moment_bytes(precision) * t, False)] * 2
+        if eight_bit(precision):
+            blocks += [HostBlock("moments' absmaxes", absmax_bytes(precision, t), False)] * 2
         if precision == "mixed":
             blocks += [HostBlock("fp32 master", 4 * t, False), HostBlock("fp32 gradients", 4 * t, False)]
         if accumulate:

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -59,7 +60,8 @@ class Engine {
   int add_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                const std::optional<at::Tensor>& accum, const std::vector<std::tuple<int, int64_t, int64_t>>& groups,
-               const std::vector<at::Tensor>& alt, const std::optional<int64_t>& sr_seed, int64_t sr_stream);
+               const std::vector<at::Tensor>& alt, const std::optional<int64_t>& sr_seed, int64_t sr_stream,
+               const std::vector<at::Tensor>& eight_bit);
   // Hyperparameters of parameter group `group` for the units notified from now on.
   void set_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int group);
   // Queues a step of `unit` whose gradients are already in place.
@@ -111,6 +113,10 @@ class Engine {
 
  private:
   uintptr_t compute_stream() const;
+  // add_unit's checks of an 8-bit unit (`eight_bit`: its absmaxes and the maps' codes, which it keeps in codes_).
+  StepUnit eight_bit_unit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+                          std::vector<GroupRange> ranges, const std::vector<at::Tensor>& eight_bit);
   // Calls wait_for(timeout) (true: done) until done; between the calls a copy stream's failure is raised
   // (and kept: the engine stays failed), and interrupt_check_ runs. Copies land through host callbacks that
   // CUDA never runs after a device fault: without the checks a wait for them would never end.
@@ -128,6 +134,7 @@ class Engine {
   std::shared_ptr<PinnedPool> host_;
   std::shared_ptr<StepScheduler> scheduler_;
   std::shared_ptr<TraceRecorder> trace_;
+  std::deque<std::vector<float>> codes_;  // each 8-bit unit's maps (a deque: its units keep pointers into it)
   std::shared_ptr<CopyEngine> copies_;  // last: destroyed first, draining copies into the pools above
 };
 

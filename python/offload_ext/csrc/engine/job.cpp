@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "../kernels/adamw8bit.h"
+
 namespace offload_ext {
 
 const char* job_name(Job job) {
@@ -42,6 +44,22 @@ void check_group_ranges(const std::vector<GroupRange>& groups, int64_t numel) {
     throw std::invalid_argument("StepScheduler: group ranges end at element " + std::to_string(next) +
                                 " but the unit has " + std::to_string(numel));
   }
+}
+
+int64_t number_blocks(std::vector<GroupRange>& groups) {
+  int64_t blocks = 0;
+  for (GroupRange& g : groups) {
+    g.block0 = blocks;
+    blocks += num_blocks(g.end - g.begin);
+  }
+  return blocks;
+}
+
+int64_t block_cut(const std::vector<GroupRange>& groups, int64_t end) {
+  for (const GroupRange& g : groups) {
+    if (end > g.begin && end < g.end) return std::min(g.end, g.begin + num_blocks(end - g.begin) * kBlock);
+  }
+  return end;  // a range's end, or past them all
 }
 
 namespace {
@@ -108,7 +126,13 @@ std::optional<double> run_job(const QueuedJob& job, const StepUnit& whole, const
       throw std::runtime_error("StepScheduler: no hyperparameters set for parameter group " + std::to_string(g.group));
     }
     const int64_t at = a - begin;  // within this slice
-    const StepUnit piece = sub_unit(unit, at, at + (b - a));
+    StepUnit piece = sub_unit(unit, at, at + (b - a));
+    if (piece.eight_bit) {
+      if ((a - g.begin) % kBlock != 0) {
+        throw std::logic_error("StepScheduler: an 8-bit slice must start on a block of its range (block_cut)");
+      }
+      piece = at_block(piece, g.block0 + (a - g.begin) / kBlock);
+    }
     adamw_unit_pass(piece, static_cast<const char*>(grad) + at * grad_size, grad_add ? grad_add + at : nullptr, scale,
                     flow, job.hypers[static_cast<size_t>(g.group)], pool, job.parts);
   }

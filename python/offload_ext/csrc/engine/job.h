@@ -36,7 +36,15 @@ struct GroupRange {
   int group;
   int64_t begin;
   int64_t end;
+  int64_t block0 = 0;  // 8-bit units: the absmax index of the range's first block (its blocks count from begin)
 };
+
+// 8-bit units: each range's block0 (the ranges' blocks in order), and the absmaxes all of them need.
+int64_t number_blocks(std::vector<GroupRange>& groups);
+
+// Where a slice of an 8-bit unit that would end at `end` ends: the first block boundary of its range at or past
+// it (a block is stepped whole: its absmax is the largest of its elements).
+int64_t block_cut(const std::vector<GroupRange>& groups, int64_t end);
 
 // Throws std::invalid_argument unless `groups` are contiguous, in order, from element 0 to `numel`, with
 // groups >= 0.

@@ -30,6 +30,7 @@ StepScheduler::~StepScheduler() {
 int StepScheduler::add_unit(const StepUnit& unit, std::vector<GroupRange> groups) {
   if (groups.empty()) groups.push_back({0, 0, unit.numel});
   check_group_ranges(groups, unit.numel);
+  if (unit.eight_bit) number_blocks(groups);
   std::lock_guard<std::mutex> lock(mutex_);
   units_.push_back(ScheduledUnit{unit, std::move(groups)});
   return static_cast<int>(units_.size()) - 1;
@@ -134,6 +135,7 @@ bool StepScheduler::loop_once() {
     delay_us = debug_step_delay_us_;
     // A norm is one sum in a fixed order; a skipped job is done at once.
     end = carries_norm(job.job) || skip ? span.numel : std::min(span.numel, job.begin + slice_);
+    if (span.eight_bit) end = block_cut(groups, end);
     if (fail_next_ && !skip) {
       fail_next_ = false;
       failure = std::make_exception_ptr(std::runtime_error(

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,10 @@ std::shared_ptr<const MapTables> map_tables(const float* code) {
 
 void adamw8bit(const EightBitPass& pass, int64_t n, const AdamWHyper& h, ThreadPool& pool, SimdLevel level,
                const std::optional<SrStream>& sr) {
+  if (pass.grad_type == GradType::kFP32 && (pass.grad_add != nullptr || pass.grad_scale != 1.0f ||
+                                            pass.parts != Parts::kAll)) {
+    throw std::invalid_argument("adamw8bit: a gradient sum, a scale or a partial pass takes bf16 gradients");
+  }
   const AdamWCoef c = make_coef(h);
   const auto exp_avg_tables = map_tables(pass.exp_avg_code);
   const auto exp_avg_sq_tables = map_tables(pass.exp_avg_sq_code);

@@ -15,7 +15,16 @@ constexpr int kCodes = 256;      // codes a map
 
 inline int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-// Where one 8-bit pass reads and writes, in place (pointers at element 0 of the span, which starts a block).
+// Where one 8-bit pass reads and writes (pointers at element 0 of the span, which starts a block). In place by
+// default; out of place (speculative clipping, as adamw.h's passes) the state is read from `in`'s pointers and
+// the state before the pass survives there.
+struct EightBitState {
+  const uint16_t* param;  // bf16
+  const uint8_t* exp_avg;
+  const uint8_t* exp_avg_sq;
+  const float* exp_avg_absmax;
+  const float* exp_avg_sq_absmax;
+};
 struct EightBitPass {
   uint16_t* param;  // bf16
   const void* grad;
@@ -26,6 +35,12 @@ struct EightBitPass {
   float* exp_avg_sq_absmax;
   const float* exp_avg_code;     // kCodes values, strictly increasing
   const float* exp_avg_sq_code;
+  // bf16 gradients only: the step uses bf16(grad_add + grad) (the last micro-batch) or bf16(grad * grad_scale)
+  // (clipping), one rounding each, as adamw.h's bf16 pass does.
+  const uint16_t* grad_add = nullptr;
+  float grad_scale = 1.0f;
+  Parts parts = Parts::kAll;  // which stores the pass makes (adamw.h): kParams leaves moments and absmax alone
+  std::optional<EightBitState> in;  // out of place: where the state is read
 };
 
 // The AVX-512 encoder's arithmetic form of a map whose midpoints are the dynamic maps' (eight_bit.py): those of

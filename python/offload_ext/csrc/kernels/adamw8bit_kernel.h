@@ -22,13 +22,15 @@ inline float float_of_bits(uint32_t u) {
   return f;
 }
 
-template <class V>
-inline typename V::F load_grad(const uint16_t* g) {
-  return V::load_bf16(g);
+// The gradient at element e: fp32 as it is, bf16 by the pass's GradMode (adamw_kernel.h: plain, + grad_add, or
+// * grad_scale, each rounded to bf16 once).
+template <class V, int kGrad>
+inline typename V::F grad_at(const float* g, const EightBitPass&, int64_t e) {
+  return V::load_f32(g + e);
 }
-template <class V>
-inline typename V::F load_grad(const float* g) {
-  return V::load_f32(g);
+template <class V, int kGrad>
+inline typename V::F grad_at(const uint16_t* g, const EightBitPass& a, int64_t e) {
+  return load_grad_bf16<V, kGrad>(g, a.grad_add, a.grad_scale, e);
 }
 
 // The rule's index of x: how many of the 255 sorted midpoints fail mid >= x (a NaN fails them all). A branchless
@@ -48,28 +50,32 @@ inline typename V::I bucketed_code(const MapTables& t, typename V::F x) {
   return V::where_nan(q, x, kCodes - 1);
 }
 
-// Elements [i, end) of the block at element `at`, as many whole vectors as fit: decode, update, store the param,
-// keep the moments in m, v (indexed from the block's start) and their largest magnitudes' bits in max_m, max_v.
-// `counter` is stochastic rounding's hash input of element i.
-template <class V, bool kSR, class G>
-inline int64_t update_loop(const EightBitPass& a, const G* grad, int64_t at, int64_t i, int64_t end, uint32_t counter,
-                           float absmax_m, float absmax_v, float* m, float* v, typename V::I& max_m,
-                           typename V::I& max_v, const AdamWCoef& c) {
+// Elements [i, end) of the block at element `at`, as many whole vectors as fit: decode (from `in`), update, store
+// the param (kParts permitting), keep the moments in m, v (indexed from the block's start) and their largest
+// magnitudes' bits in max_m, max_v. `counter` is stochastic rounding's hash input of element i.
+template <class V, bool kSR, int kGrad, int kParts, class G>
+inline int64_t update_loop(const EightBitPass& a, const EightBitState& in, const G* grad, int64_t at, int64_t i,
+                           int64_t end, uint32_t counter, float absmax_m, float absmax_v, float* m, float* v,
+                           typename V::I& max_m, typename V::I& max_v, const AdamWCoef& c) {
   for (; i + V::W <= end; i += V::W, counter += V::W) {
     const int64_t e = at + i;
-    auto P = V::load_bf16(a.param + e);
-    auto M = V::mul(V::lookup256(a.exp_avg_code, V::load_u8(a.exp_avg + e)), V::set1(absmax_m));
-    auto S = V::mul(V::lookup256(a.exp_avg_sq_code, V::load_u8(a.exp_avg_sq + e)), V::set1(absmax_v));
-    adamw_update<V>(P, load_grad<V>(grad + e), M, S, c);
-    if (kSR) {
-      V::store_bf16_sr(a.param + e, P, V::iand(sr_hash32<V>(V::iota(counter)), V::iset1(0xffffu)));
-    } else {
-      V::store_bf16(a.param + e, P);
+    auto P = V::load_bf16(in.param + e);
+    auto M = V::mul(V::lookup256(a.exp_avg_code, V::load_u8(in.exp_avg + e)), V::set1(absmax_m));
+    auto S = V::mul(V::lookup256(a.exp_avg_sq_code, V::load_u8(in.exp_avg_sq + e)), V::set1(absmax_v));
+    adamw_update<V>(P, grad_at<V, kGrad>(grad, a, e), M, S, c);
+    if constexpr (stores_param(kParts)) {
+      if (kSR) {
+        V::store_bf16_sr(a.param + e, P, V::iand(sr_hash32<V>(V::iota(counter)), V::iset1(0xffffu)));
+      } else {
+        V::store_bf16(a.param + e, P);
+      }
     }
-    V::store_f32(m + i, M);
-    V::store_f32(v + i, S);
-    max_m = V::imax(max_m, V::abs_bits(M));
-    max_v = V::imax(max_v, V::abs_bits(S));
+    if constexpr (stores_moments(kParts)) {
+      V::store_f32(m + i, M);
+      V::store_f32(v + i, S);
+      max_m = V::imax(max_m, V::abs_bits(M));
+      max_v = V::imax(max_v, V::abs_bits(S));
+    }
   }
   return i;
 }
@@ -87,13 +93,14 @@ struct BlockMoments {
 };
 
 // The block's first pass over [i, end), all under one stochastic rounding key: whole vectors, then the rest.
-template <class V, bool kSR, class G>
-inline void update_range(const EightBitPass& a, const G* grad, int64_t at, int64_t i, int64_t end, uint32_t counter,
-                         float absmax_m, float absmax_v, BlockMoments<V>& out, const AdamWCoef& c) {
-  const int64_t j = update_loop<V, kSR>(a, grad, at, i, end, counter, absmax_m, absmax_v, out.m, out.v, out.max_m,
-                                        out.max_v, c);
-  update_loop<ScalarVec, kSR>(a, grad, at, j, end, counter + static_cast<uint32_t>(j - i), absmax_m, absmax_v, out.m,
-                              out.v, out.tail_max_m, out.tail_max_v, c);
+template <class V, bool kSR, int kGrad, int kParts, class G>
+inline void update_range(const EightBitPass& a, const EightBitState& in, const G* grad, int64_t at, int64_t i,
+                         int64_t end, uint32_t counter, float absmax_m, float absmax_v, BlockMoments<V>& out,
+                         const AdamWCoef& c) {
+  const int64_t j = update_loop<V, kSR, kGrad, kParts>(a, in, grad, at, i, end, counter, absmax_m, absmax_v, out.m,
+                                                       out.v, out.max_m, out.max_v, c);
+  update_loop<ScalarVec, kSR, kGrad, kParts>(a, in, grad, at, j, end, counter + static_cast<uint32_t>(j - i),
+                                             absmax_m, absmax_v, out.m, out.v, out.tail_max_m, out.tail_max_v, c);
 }
 
 // The largest of V's lanes and `tail`.
@@ -160,43 +167,64 @@ inline int64_t same_key(int64_t first, int64_t len) {
   return static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(len), to_next));
 }
 
-// One block: its first pass (cut where the stochastic rounding key changes), its new absmaxes, its second pass.
-template <class V, bool kSR, class G>
-inline void step_block(const EightBitPass& a, const G* grad, int64_t n, int64_t b, const EightBitTables& t,
-                       const AdamWCoef& c) {
+// One block: its first pass (cut where the stochastic rounding key changes), its new absmaxes, its second pass
+// (kParts permitting).
+template <class V, bool kSR, int kGrad, int kParts, class G>
+inline void step_block(const EightBitPass& a, const EightBitState& in, const G* grad, int64_t n, int64_t b,
+                       const EightBitTables& t, const AdamWCoef& c) {
   const int64_t at = b * kBlock;
   const int64_t len = n - at < kBlock ? n - at : kBlock;
   BlockMoments<V> out;
   out.max_m = out.max_v = V::iset1(0);
   out.tail_max_m = out.tail_max_v = 0;
-  const float absmax_m = a.exp_avg_absmax[b], absmax_v = a.exp_avg_sq_absmax[b];
+  const float absmax_m = in.exp_avg_absmax[b], absmax_v = in.exp_avg_sq_absmax[b];
   const int64_t cut = kSR ? same_key(t.sr_index + at, len) : len;
-  update_range<V, kSR>(a, grad, at, 0, cut, kSR ? sr_counter(t, t.sr_index + at) : 0, absmax_m, absmax_v, out, c);
+  update_range<V, kSR, kGrad, kParts>(a, in, grad, at, 0, cut, kSR ? sr_counter(t, t.sr_index + at) : 0, absmax_m,
+                                      absmax_v, out, c);
   if (cut < len) {
-    update_range<V, kSR>(a, grad, at, cut, len, sr_counter(t, t.sr_index + at + cut), absmax_m, absmax_v, out, c);
+    update_range<V, kSR, kGrad, kParts>(a, in, grad, at, cut, len, sr_counter(t, t.sr_index + at + cut), absmax_m,
+                                        absmax_v, out, c);
   }
-  const uint32_t new_m = max_lane<V>(out.max_m, out.tail_max_m), new_v = max_lane<V>(out.max_v, out.tail_max_v);
-  encode_block<V>(out.m, len, new_m, *t.exp_avg, a.exp_avg + at);
-  encode_block<V>(out.v, len, new_v, *t.exp_avg_sq, a.exp_avg_sq + at);
-  a.exp_avg_absmax[b] = float_of_bits(new_m);
-  a.exp_avg_sq_absmax[b] = float_of_bits(new_v);
+  if constexpr (stores_moments(kParts)) {
+    const uint32_t new_m = max_lane<V>(out.max_m, out.tail_max_m), new_v = max_lane<V>(out.max_v, out.tail_max_v);
+    encode_block<V>(out.m, len, new_m, *t.exp_avg, a.exp_avg + at);
+    encode_block<V>(out.v, len, new_v, *t.exp_avg_sq, a.exp_avg_sq + at);
+    a.exp_avg_absmax[b] = float_of_bits(new_m);
+    a.exp_avg_sq_absmax[b] = float_of_bits(new_v);
+  }
 }
 
-template <class V, class G>
+template <class V, int kGrad, int kParts, class G>
 inline void step_blocks(const EightBitPass& a, const G* grad, int64_t n, int64_t first, int64_t last,
                         const EightBitTables& t, const AdamWCoef& c) {
+  const EightBitState in = a.in ? *a.in
+                                : EightBitState{a.param, a.exp_avg, a.exp_avg_sq, a.exp_avg_absmax, a.exp_avg_sq_absmax};
   for (int64_t b = first; b < last; ++b) {
-    t.stochastic ? step_block<V, true>(a, grad, n, b, t, c) : step_block<V, false>(a, grad, n, b, t, c);
+    t.stochastic ? step_block<V, true, kGrad, kParts>(a, in, grad, n, b, t, c)
+                 : step_block<V, false, kGrad, kParts>(a, in, grad, n, b, t, c);
   }
+}
+
+// The bf16 gradient's mode and the pass's parts, as bf16_span_rounded picks them (a sum is stored whole).
+template <class V>
+inline void bf16_grad_blocks(const EightBitPass& a, int64_t n, int64_t first, int64_t last, const EightBitTables& t,
+                             const AdamWCoef& c) {
+  const auto* g = static_cast<const uint16_t*>(a.grad);
+  if (a.grad_add != nullptr) return step_blocks<V, kGradAdd, kAllParts>(a, g, n, first, last, t, c);
+  with_parts(a.parts, [&](auto parts) {
+    constexpr int kParts = decltype(parts)::value;
+    a.grad_scale != 1.0f ? step_blocks<V, kGradScale, kParts>(a, g, n, first, last, t, c)
+                         : step_blocks<V, kGradPlain, kParts>(a, g, n, first, last, t, c);
+  });
 }
 
 template <class V>
 inline void adamw8bit_blocks(const EightBitPass& a, int64_t n, int64_t first, int64_t last, const EightBitTables& t,
                              const AdamWCoef& c) {
-  if (a.grad_type == GradType::kFP32) {
-    step_blocks<V>(a, static_cast<const float*>(a.grad), n, first, last, t, c);
+  if (a.grad_type == GradType::kFP32) {  // CPUAdamW's fp32 gradients: read as they are, every store made
+    step_blocks<V, kGradPlain, kAllParts>(a, static_cast<const float*>(a.grad), n, first, last, t, c);
   } else {
-    step_blocks<V>(a, static_cast<const uint16_t*>(a.grad), n, first, last, t, c);
+    bf16_grad_blocks<V>(a, n, first, last, t, c);
   }
 }
 

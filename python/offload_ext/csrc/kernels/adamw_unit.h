@@ -29,6 +29,16 @@ struct StepUnit {
   void* alt_exp_avg;
   void* alt_exp_avg_sq;
   int64_t numel;
+  // "bf16-8bit" (bf16_mode too): exp_avg and exp_avg_sq (and their alt_) hold uint8 codes of the dynamic maps
+  // `codes` (exp_avg's 256, then exp_avg_sq's), with an fp32 absmax per kBlock elements of each span (a unit's
+  // group range) in these arrays; a piece's absmax pointers point at its first block (the caller sets them: a
+  // span's blocks count from its own start, see run_job).
+  bool eight_bit = false;
+  const float* codes = nullptr;
+  float* exp_avg_absmax = nullptr;
+  float* exp_avg_sq_absmax = nullptr;
+  float* alt_exp_avg_absmax = nullptr;
+  float* alt_exp_avg_sq_absmax = nullptr;
   // bf16 mode with stochastic rounding ("bf16-sr"): the unit's random stream, its index at element 0 of
   // this span (a slice or group range of a unit starts past the unit's 0, so its bits do not depend on
   // the slicing); speculative steps and redos draw the same bits as an in-place step.
@@ -50,8 +60,12 @@ void adamw_unit_pass(const StepUnit& unit, const void* grad, const uint16_t* gra
 // One fused AdamW pass in place with gradient `grad` (its landed copy or its accumulator).
 void adamw_unit(const StepUnit& unit, const void* grad, const AdamWHyper& h, ThreadPool& pool, float scale = 1.0f);
 
-// Elements [begin, end) of a unit, as a unit of its own.
+// Elements [begin, end) of a unit, as a unit of its own (8-bit: its absmax pointers left at the unit's, for the
+// caller to set).
 StepUnit sub_unit(const StepUnit& unit, int64_t begin, int64_t end);
+
+// An 8-bit unit with its absmax pointers at block `block` of its arrays.
+StepUnit at_block(const StepUnit& unit, int64_t block);
 
 // After a speculative step the second buffers hold the live state, and the first the state before.
 void swap_state(StepUnit& unit);

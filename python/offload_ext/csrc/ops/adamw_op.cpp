@@ -8,14 +8,11 @@
 #include "../common/thread_pool.h"
 
 namespace offload_ext {
-namespace {
 
 void check_dtype(const char* who, const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode) {
   TORCH_CHECK(t.scalar_type() == expected, who, ": in ", mode, " mode expected ", name, " of dtype ", expected,
               ", got ", t.scalar_type());
 }
-
-}  // namespace
 
 void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel, c10::Device device) {
   if (device.is_cpu()) {

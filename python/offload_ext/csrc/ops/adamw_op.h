@@ -16,6 +16,9 @@ namespace offload_ext {
 void check_span(const char* who, const at::Tensor& t, const char* name, int64_t numel,
                 c10::Device device = c10::Device(c10::kCPU));
 
+// Throws unless `t` has dtype `expected`, the one precision `mode` (named in the message) takes for `name`.
+void check_dtype(const char* who, const at::Tensor& t, const char* name, at::ScalarType expected, const char* mode);
+
 // Validates one AdamW span's tensors (shapes, layout, the dtypes of a precision mode, all on param's device
 // when `device` is not given: the CPU) and describes it.
 StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,

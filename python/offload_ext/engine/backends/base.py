@@ -27,7 +27,7 @@ class LayerBuffers:
     params: torch.Tensor            # bf16, pinned: the H2D source
     grads: torch.Tensor             # bf16, pinned: the D2H target (trainable part only; the native
                                     # backend's layers share a small ring of these)
-    exp_avg: torch.Tensor           # bf16 ("bf16", "bf16-sr") or fp32 ("mixed")
+    exp_avg: torch.Tensor           # bf16 ("bf16", "bf16-sr"), fp32 ("mixed") or uint8 codes (8-bit)
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None     # fp32 master of the trainable part ("mixed" only)
     trainable: int                  # numel of the trainable prefix
@@ -38,6 +38,9 @@ class LayerBuffers:
     # its frozen tail mirrors params' (mirror_frozen). The engine holds raw pointers: these keep them alive.
     alt: tuple[torch.Tensor, ...] = ()
     swapped: bool = False  # the fields below point at what was allocated as alt
+    # 8-bit precisions: each moment's fp32 absmaxes, one a block of each group range (second buffers: alt's last two)
+    exp_avg_absmax: torch.Tensor | None = None
+    exp_avg_sq_absmax: torch.Tensor | None = None
 
     @property
     def trainable_params(self) -> torch.Tensor:
@@ -47,17 +50,21 @@ class LayerBuffers:
         """Training is over: keep the weights (params), let the gradient buffers and optimizer state go."""
         self.grads = self.exp_avg = self.exp_avg_sq = self.params.new_empty(0)
         self.master, self.accum, self.alt = None, None, ()
+        self.exp_avg_absmax = self.exp_avg_sq_absmax = None
 
     def swap_state(self) -> None:
         """A speculative step left the live state in the second buffers: swap the fields' roles."""
-        param, exp_avg, exp_avg_sq = self.alt
+        param, exp_avg, exp_avg_sq, *absmax = self.alt
         if self.master is not None:  # mixed: the master moved
             self.master, param = param, self.master
         else:
             self.params, param = param, self.params
         self.exp_avg, exp_avg = exp_avg, self.exp_avg
         self.exp_avg_sq, exp_avg_sq = exp_avg_sq, self.exp_avg_sq
-        self.alt = (param, exp_avg, exp_avg_sq)
+        if absmax:
+            self.exp_avg_absmax, absmax[0] = absmax[0], self.exp_avg_absmax
+            self.exp_avg_sq_absmax, absmax[1] = absmax[1], self.exp_avg_sq_absmax
+        self.alt = (param, exp_avg, exp_avg_sq, *absmax)
         self.swapped = not self.swapped
 
     def mirror_frozen(self) -> None:

@@ -4,7 +4,8 @@ It is the honest baseline for the native backend: the same hooks and layout, and
 used before it has landed (in forward and in activation-checkpointing recompute alike). Its CPU step
 runs in step(), after backward: torch's fused AdamW on each layer in the order the gradient copies
 land, so the first layers are stepped while the GPU finishes backward ("bf16-sr": the same in
-stochastic_rounding's torch ops, the native kernel's reference). On the simulated device, copies run
+stochastic_rounding's torch ops, the native kernel's reference; the 8-bit precisions: eight_bit's rule in torch
+ops, each group range of a layer a span of its own). On the simulated device, copies run
 on one worker thread per direction and events are futures (torch_copies); pinned buffers come from one
 page-locked arena (pinned_arena).
 """
@@ -16,14 +17,22 @@ from typing import Any
 
 import torch
 
+from offload_ext.config import eight_bit, stochastic
 from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
 from offload_ext.engine.backends.pinned_arena import PinnedArena
 from offload_ext.engine.backends.torch_copies import CudaCopies, ThreadCopies
 from offload_ext.engine.timeline import Timeline, span
 from offload_ext.optim.clipping import sq_sum
+from offload_ext.optim.eight_bit import moment_dtype, num_blocks, reference_adamw8bit_step, zero_code
 from offload_ext.optim.stochastic_rounding import adamw_step_sr
 from offload_ext.planning import host_sizes
-from offload_ext.planning.host_sizes import HostNeed, python_alternatives, python_arena_elements, python_host_need
+from offload_ext.planning.host_sizes import (
+    HostNeed,
+    absmax_slots,
+    python_alternatives,
+    python_arena_elements,
+    python_host_need,
+)
 
 
 class PythonBackend(Backend):
@@ -69,22 +78,28 @@ class PythonBackend(Backend):
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
         # Here every layer has a grad buffer of its own, so own_grads changes nothing.
         params = self._pinned(numel)
-        state_dtype = torch.float32 if self.precision == "mixed" else torch.bfloat16
+        ranges = groups or ((0, 0, trainable),)
+        moments = (torch.zeros(trainable, dtype=moment_dtype(self.precision)) for _ in range(2))
+        if eight_bit(self.precision):  # each at the code of 0 in its map, an absmax a block of each group range
+            moments = (m.fill_(zero_code(k)) for k, m in enumerate(moments))
+            need = sum(num_blocks(e - b) for _, b, e in ranges)
+            slots = max(need, absmax_slots(trainable))
+            absmax = [torch.zeros(slots)[:need] for _ in range(2)]
         layer = LayerBuffers(
-            params=params,
-            grads=self._pinned(trainable),  # always written by a D2H before use
-            exp_avg=torch.zeros(trainable, dtype=state_dtype),
-            exp_avg_sq=torch.zeros(trainable, dtype=state_dtype),
+            params,
+            self._pinned(trainable),  # the gradients: always written by a D2H before use
+            *moments,
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
             trainable=trainable,
             accum=torch.empty(trainable, dtype=torch.bfloat16) if self.accumulate else None,
+            exp_avg_absmax=absmax[0] if eight_bit(self.precision) else None,
+            exp_avg_sq_absmax=absmax[1] if eight_bit(self.precision) else None,
         )
         stepped = layer.master if self.precision == "mixed" else layer.trainable_params
         if self.precision == "mixed":
             self._fp32_grads.append(torch.empty(trainable, dtype=torch.float32))
         # One torch parameter per group range (views), each in its group's torch param group; its .grad
         # is set only while _step_layers steps it.
-        ranges = groups or ((0, 0, trainable),)
         self._params.append([(g, torch.nn.Parameter(stepped[b:e]), b, e) for g, b, e in ranges])
         self._layers.append(layer)
         self._optimizer = None  # rebuilt lazily over all layers
@@ -187,6 +202,9 @@ class PythonBackend(Backend):
         if self._fail_next_step:
             self._fail_next_step = False
             raise RuntimeError(f"PythonBackend: injected failure while stepping layers {sorted(stepped)}")
+        if eight_bit(self.precision):
+            self._step_layers_8bit(stepped)
+            return
         if self.precision == "bf16-sr":
             self._step_layers_sr(stepped)
             return
@@ -220,6 +238,23 @@ class PythonBackend(Backend):
                 adamw_step_sr(layer.params[b:e], grad[b:e], layer.exp_avg[b:e], layer.exp_avg_sq[b:e], lr=h.lr,
                               beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=h.step,
                               sr_seed=self._sr_seed, sr_stream=i, sr_offset=b)
+
+    def _step_layers_8bit(self, stepped: set[int]) -> None:
+        """The layers in `stepped` stepped by the 8-bit rule in torch ops (eight_bit.reference_adamw8bit_step):
+        each group range a span of its own, its blocks counted from its start (the "-sr" precision: layer i draws
+        stream i, as in "bf16-sr")."""
+        seed = self._sr_seed if stochastic(self.precision) else None
+        for i in stepped:
+            layer = self._layers[i]
+            grad = layer.accum if layer.accum is not None else layer.grads
+            block = 0
+            for g, _, b, e in self._params[i]:
+                h, blocks = self._hypers[g], slice(block, block + num_blocks(e - b))
+                reference_adamw8bit_step(layer.params[b:e], grad[b:e], layer.exp_avg[b:e], layer.exp_avg_sq[b:e],
+                                         layer.exp_avg_absmax[blocks], layer.exp_avg_sq_absmax[blocks], lr=h.lr,
+                                         beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                                         step=h.step, sr_seed=seed, sr_stream=i, sr_offset=b)
+                block = blocks.stop
 
     def start_trace(self) -> None:
         self._timeline = Timeline()
