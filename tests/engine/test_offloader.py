@@ -199,7 +199,7 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed", "bf16-8bit-sr"])
 def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -> None:
     # save_state writes the host buffers from where they live (no copy in memory) and load_state reads
     # them back into place: the same run as state_dict / load_state_dict, after speculative steps too.
@@ -224,7 +224,7 @@ def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -
 
 
 @pytest.mark.parametrize("resident_layers", [0, 1])
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", "mixed", "bf16-8bit"])
 @pytest.mark.parametrize("max_grad_norm", [0.5, 1e6])  # every step redone / every step committed
 def test_state_dict_after_speculative_steps_continues_the_same_run(precision, max_grad_norm, resident_layers) -> None:
     # Each speculative step leaves the live state in the other of a unit's two buffers: after an odd number

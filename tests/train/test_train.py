@@ -86,7 +86,9 @@ def test_loss_kernels_start_from_the_same_loss_and_both_learn(tmp_path) -> None:
                                    ["--device", "cpu-sim", "--backend", "python", "--offload-all"],
                                    ["--device", "cpu-sim", "--backend", "native", "--grad-accum", "2"],
                                    ["--device", "cpu-sim", "--backend", "native", "--precision", "bf16-sr"],
-                                   ["--precision", "bf16-sr", "--seed", "3"]])
+                                   ["--precision", "bf16-sr", "--seed", "3"],
+                                   ["--device", "cpu-sim", "--precision", "bf16-8bit-sr", "--max-grad-norm", "1.0"],
+                                   ["--precision", "bf16-8bit"]])
 def test_resume_continues_with_the_same_losses(tmp_path, extra) -> None:
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     train.run(train.parse_args(["--out", straight, *FAST, *extra]))

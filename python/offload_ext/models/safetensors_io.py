@@ -21,7 +21,8 @@ import torch
 
 from offload_ext.models.durable import atomic_write
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "U8": torch.uint8}  # U8: the 8-bit precisions' moments (engine_state.safetensors)
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _BOUNCE_BYTES = 64 << 20  # a conversion's staging buffer: the most a read holds besides its destination
 _FIX = "copy or download the checkpoint again"  # what a damaged or truncated file's error ends with
@@ -173,6 +174,9 @@ class SafetensorsCheckpoint:
             if entry.dtype == dst.dtype:
                 _read_exactly(f, flat.view(torch.uint8).numpy(), entry)
                 return
+            if not entry.dtype.is_floating_point:  # codes (a quantized checkpoint's): their values are no weights
+                raise ValueError(f"{entry.path}: a tensor holds {_NAMES[entry.dtype]} codes, not {dst.dtype} "
+                                 "values: is it a quantized checkpoint? load one in bf16, fp16 or fp32")
             per = entry.nbytes // max(entry.numel, 1)
             step = max(1, _BOUNCE_BYTES // per)
             bounce = torch.empty(min(step, entry.numel), dtype=entry.dtype)

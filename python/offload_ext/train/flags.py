@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from offload_ext.config import EngineTuning, OffloadConfig, parse_size
+from offload_ext.config import PRECISIONS, EngineTuning, OffloadConfig, parse_size
 from offload_ext.models.losses import KERNELS
 from offload_ext.models.quantized_base import BASE_DTYPES
 from offload_ext.train import data as data_mod
@@ -113,9 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["none", "python", "native"], default=None,
                     help="none = no offload (the model and optimizer on the device); default native, or none where "
                          "it trains on the CPU (no CUDA device, or --device cpu)")
-    ap.add_argument("--precision", choices=["bf16", "bf16-sr", "mixed"], default="bf16",
+    ap.add_argument("--precision", choices=PRECISIONS, default="bf16",
                     help="bf16 params and moments; bf16-sr: the same, params and exp_avg_sq stored by stochastic "
-                         "rounding (seeded by --seed); mixed: fp32 masters and moments on the host")
+                         "rounding (seeded by --seed); mixed: fp32 masters and moments on the host; bf16-8bit, "
+                         "bf16-8bit-sr: bf16 params (-sr: stochastically rounded), the host's moments in 8 bits "
+                         "(about 3 bytes a parameter less than bf16)")
     ap.add_argument("--offload-all", action="store_true",
                     help="also keep the embeddings, final norm and head's grads and optimizer state on the host")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu, or cpu-sim (offload engine on the "

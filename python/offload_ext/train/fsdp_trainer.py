@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from offload_ext.config import eight_bit, stochastic
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.fsdp_shards import materialize_shards
 from offload_ext.models.weight_source import WeightSource
@@ -41,6 +42,9 @@ def check_fsdp_args(args: argparse.Namespace) -> None:
     if args.activation_checkpointing not in ("all", "none"):
         raise UsageError(f"--fsdp: --activation-checkpointing {args.activation_checkpointing}: FSDP2's layers "
                          "recompute all or none (use all or none)")
+    if eight_bit(args.precision):
+        raise UsageError(f"--fsdp: --precision {args.precision}: CPUAdamW keeps 8-bit moments for plain tensors, "
+                         "not FSDP2's sharded ones; use --precision bf16, bf16-sr or mixed with --fsdp")
     if args.device_layers != 2:
         raise UsageError("--device-layers is an option of the single-GPU engine; drop it with --fsdp")
 
@@ -105,7 +109,7 @@ class FsdpTrainer:
         groups, _ = build_groups(model, None, config.no_decay)
         self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay, overlap=True,
                             max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
-                            stochastic_rounding=o.precision == "bf16-sr", sr_seed=config.seed)
+                            stochastic_rounding=stochastic(o.precision), sr_seed=config.seed)
         self.optimizer = self.opt
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, config.lr_factor)
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from offload_ext.config import eight_bit, stochastic
 from offload_ext.engine.layers import enable_activation_checkpointing
 from offload_ext.models.lora import is_adapter
 from offload_ext.models.losses import causal_lm_loss
@@ -78,9 +79,10 @@ class Trainer:
             for layer in model.model.layers:
                 layer.compile()
         params, _ = build_groups(model, None, c.no_decay)  # the Offloader's groups, for torch's AdamW
-        if self.device.type == "cuda" and o.precision == "mixed":
-            raise UsageError("--precision mixed needs an offload backend on a GPU (fp32 masters live on the host); "
-                             "use --backend native, or --precision bf16 with --backend none")
+        if self.device.type == "cuda" and (o.precision == "mixed" or eight_bit(o.precision)):
+            where = "fp32 masters" if o.precision == "mixed" else "8-bit moments"
+            raise UsageError(f"--precision {o.precision} needs an offload backend on a GPU ({where} live on the "
+                             "host); use --backend native, or --precision bf16 with --backend none")
         if self.device.type == "cuda" and o.precision == "bf16-sr":
             from offload_ext.optim.cpu_adamw import StochasticAdamW
 
@@ -93,7 +95,8 @@ class Trainer:
             )
 
             self.opt = CPUAdamW(params, lr=c.lr, weight_decay=c.weight_decay, master_weights=o.precision == "mixed",
-                                stochastic_rounding=o.precision == "bf16-sr", sr_seed=c.seed)
+                                stochastic_rounding=stochastic(o.precision), eight_bit=eight_bit(o.precision),
+                                sr_seed=c.seed)
 
     def _micro_batches(self, stream: data_mod.TokenStream, backward: Callable[[torch.Tensor], None],
                        phases: dict[str, float] | None) -> float:
