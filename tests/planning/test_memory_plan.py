@@ -24,7 +24,9 @@ HOST_KNOBS = [dict(), dict(precision="mixed"), dict(max_grad_norm=1.0), dict(max
               dict(max_grad_norm=1.0, speculative_clip=False), dict(grad_accum=2),
               dict(grad_accum=2, max_grad_norm=1.0), dict(resident_layers=1), dict(offload_all=True),
               dict(grad_slots=2, precision="mixed"), dict(precision="bf16-sr"),
-              dict(precision="bf16-sr", max_grad_norm=1.0)]
+              dict(precision="bf16-sr", max_grad_norm=1.0), dict(precision="bf16-8bit"),
+              dict(precision="bf16-8bit-sr", max_grad_norm=1.0), dict(precision="bf16-8bit", grad_accum=2,
+                                                                        no_decay=("norm",))]
 
 
 @pytest.mark.parametrize("knobs", HOST_KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "defaults")
@@ -444,9 +446,15 @@ def test_the_plan_gives_the_host_bytes_per_parameter_of_each_precision_with_and_
     params = sum(p.numel() for p in model.parameters())
     memory = offload_ext.plan(model, device="cpu", host_memory="100GB")
     rows = {precision: (plain, clip) for precision, plain, clip in memory.host_per_param}
-    assert list(rows) == ["bf16", "bf16-sr", "mixed"]
+    assert list(rows) == ["bf16", "bf16-sr", "mixed", "bf16-8bit", "bf16-8bit-sr"]
     assert rows["bf16"][0] == memory.host_total / params  # the plan's own setting is its buffers' total
     clipped = offload_ext.plan(model, device="cpu", host_memory="100GB", precision="mixed", max_grad_norm=1.0)
     assert rows["mixed"][1] == clipped.host_total / params  # every unit speculating: the host has room for all
     assert all(plain < clip for plain, clip in rows.values()) and rows["bf16"][0] < rows["mixed"][0]
+    # a streamed parameter's two moments take a byte each and an absmax per 256 instead of two bytes each (with
+    # clipping twice: speculation's second buffers); within 2 % for the pages each block is rounded to
+    streamed = sum(p.numel() for p in model.model.layers.parameters()) / params
+    saved = (2 - 2 * 4 / 256) * streamed
+    assert rows["bf16"][0] - rows["bf16-8bit"][0] == pytest.approx(saved, rel=0.02)
+    assert rows["bf16"][1] - rows["bf16-8bit"][1] == pytest.approx(2 * saved, rel=0.02)
     assert "engine buffers per parameter (bytes), by precision" in str(memory)

@@ -20,6 +20,7 @@ ALIGN = 2 << 12
 _GB = 1e9
 # What precision='bf16' (or 'bf16-sr', the same buffers) saves against "mixed", as a refusal names it.
 BF16_STATES = "bf16 moments, no fp32 master; 'bf16-sr' too, whose stochastic rounding keeps updates below a bf16 ulp"
+EIGHT_BIT_STATES = "moments in 8 bits (block-wise, as bitsandbytes' 8-bit Adam), params rounded stochastically"
 
 Sizes = tuple[tuple[int, int], ...]
 
@@ -260,6 +261,9 @@ class NativeHostPlan:
             options.append(Alternative("speculative_clip=False", plain, "clipping then waits for backward"))
         if self.precision == "mixed":
             options.append(Alternative("precision='bf16'", self._again(precision="bf16").need().total, BF16_STATES))
+        if not eight_bit(self.precision):
+            options.append(Alternative("precision='bf16-8bit-sr'", self._again(precision="bf16-8bit-sr").need().total,
+                                       EIGHT_BIT_STATES))
         base = self._again(sizes=frozen_units(self.sizes), own_grads=frozen_units(self.own_grads),
                            speculative_units=frozenset())
         options.append(Alternative("LoRA", base.need().total, _LORA))
@@ -316,6 +320,10 @@ def python_alternatives(precision: str, sizes: Sizes, own_grads: Sizes, accumula
     if precision == "mixed":
         options.append(Alternative("precision='bf16'", python_host_need("bf16", sizes, own_grads, accumulate).total,
                                    BF16_STATES))
+    if not eight_bit(precision):
+        options.append(Alternative("precision='bf16-8bit-sr'",
+                                   python_host_need("bf16-8bit-sr", sizes, own_grads, accumulate).total,
+                                   EIGHT_BIT_STATES))
     base = python_host_need(precision, frozen_units(sizes), frozen_units(own_grads), accumulate)
     options.append(Alternative("LoRA", base.total, _LORA))
     return options
