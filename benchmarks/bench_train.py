@@ -8,7 +8,8 @@ mixed AdamW kernel over the same 973 M parameters in the same run. The loss is
 offload_ext.causal_lm_loss (chunked vocabulary projection; the native cross-entropy kernels when built) in every mode.
 
 A mode is resident[-lean][-recipe] or backend-precision[-tN][-nN][-gN][-dN][-rN][-drN][-whole][-sync][-recipe]
-(precision bf16, bf16sr for "bf16-sr", or mixed: e.g. native-bf16sr-clip): auto for the layout that offload-train's
+(precision bf16, bf16sr for "bf16-sr", 8bit and 8bitsr for "bf16-8bit" and "bf16-8bit-sr", or mixed: e.g.
+native-bf16sr-clip): auto for the layout that offload-train's
 --resident-layers auto --device-layers auto chooses for the run's micro-batch on this GPU (or its cap; with rN, the
 buffers only), tN engine threads, nN their niceness
 (host_nice), gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
@@ -117,7 +118,8 @@ PEERS = ("deepspeed", "deepspeed2", "torchao")  # the other offloading libraries
 DS_VARIANTS = {"zenflow": "deepspeed2", "superoffload": "deepspeed"}
 FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto", *DS_VARIANTS)
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
-PRECISION_NAMES = {"bf16sr": "bf16-sr"}  # a mode name's precision part holds no "-"
+# a mode name's precision part holds no "-"
+PRECISION_NAMES = {"bf16sr": "bf16-sr", "8bit": "bf16-8bit", "8bitsr": "bf16-8bit-sr"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # AdamW settings of every mode, the Offloader's defaults (torch's AdamW would decay weights by 0.01)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
