@@ -186,7 +186,7 @@ class OffloadConfig:
                                   "layer runs (None: bf16)", "None, 'int8', 'fp8' or 'nf4'",
                                   lambda v: v is None or v in BASE_DTYPES, cli="--base-dtype")
     compile_layers: bool = knob(False, "torch.compile each streamed layer", "True or False", _bool, cli="--compile")
-    sr_seed: int = knob(0, "the stochastic-rounding stream's seed (precision 'bf16-sr')", "an int >= 0", _int(0),
+    sr_seed: int = knob(0, "the stochastic-rounding stream's seed (precisions ending in '-sr')", "an int >= 0", _int(0),
                         cli="--seed")
     tuning: EngineTuning = knob(EngineTuning(), "the engine's expert switches", "an EngineTuning",
                                 lambda v: isinstance(v, EngineTuning), cli="--tuning")
