@@ -520,3 +520,21 @@ def test_host_nice_gives_every_host_step_thread_that_niceness_and_nothing_else()
 def test_host_nice_outside_0_to_19_is_refused_naming_the_range() -> None:
     with pytest.raises(ValueError, match=r"nice must be in \[0, 19\].*got 20"):
         ops.Engine(-1, 2, False, 1 << 20, host_nice=20)
+
+
+def test_an_eight_bit_unit_needs_an_absmax_a_block_of_each_group_range_and_uint8_moments() -> None:
+    from offload_ext.optim.eight_bit import eight_bit_codes
+
+    engine, n = _engine(), 1000  # ranges of 600 and 400 elements: 3 + 2 blocks, not num_blocks(1000) = 4
+    param, grad = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    codes = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    groups = [(0, 0, 600), (1, 600, n)]
+
+    def add(blocks: int, moments=codes) -> int:
+        return engine.add_unit(param, grad, *moments, groups=groups,
+                               eight_bit=[torch.zeros(blocks), torch.zeros(blocks), eight_bit_codes()])
+    with pytest.raises(RuntimeError, match="expected exp_avg_absmax to have 5 elements like param, got 4"):
+        add(4)
+    with pytest.raises(RuntimeError, match="8-bit .* mode expected exp_avg of dtype Byte, got BFloat16"):
+        add(5, (param.clone(), param.clone()))
+    assert add(5) == 0

@@ -308,17 +308,9 @@ StepUnit Engine::eight_bit_unit(const at::Tensor& param, const at::Tensor& grad,
   const char* who = "Engine.add_unit";
   TORCH_CHECK(eight_bit.size() == 3, who, ": eight_bit is [exp_avg_absmax, exp_avg_sq_absmax, codes], got ",
               num(static_cast<int64_t>(eight_bit.size())), " tensors");
-  TORCH_CHECK(!param_out.has_value(), who, ": an 8-bit unit steps bf16 params in place (no param_out)");
-  const int64_t n = param.numel();
+  StepUnit u = checked_unit(who, param, grad, exp_avg, exp_avg_sq, param_out, c10::Device(c10::kCPU), true);
   const char* mode = "8-bit (bf16 param, uint8 moments)";
-  check_span(who, param, "param", n);
-  check_span(who, grad, "grad", n);
-  check_span(who, exp_avg, "exp_avg", n);
-  check_span(who, exp_avg_sq, "exp_avg_sq", n);
-  check_dtype(who, param, "param", at::kBFloat16, mode);
-  check_dtype(who, grad, "grad", at::kBFloat16, mode);
-  check_dtype(who, exp_avg, "exp_avg", at::kByte, mode);
-  check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kByte, mode);
+  const int64_t n = u.numel;
   check_group_ranges(ranges, n);
   const int64_t blocks = number_blocks(ranges);
   check_span(who, eight_bit[0], "exp_avg_absmax", blocks);
@@ -326,14 +318,6 @@ StepUnit Engine::eight_bit_unit(const at::Tensor& param, const at::Tensor& grad,
   check_span(who, eight_bit[2], "codes", 2 * kCodes);
   for (const at::Tensor& t : eight_bit) check_dtype(who, t, "eight_bit's tensors", at::kFloat, mode);
   codes_.emplace_back(eight_bit[2].data_ptr<float>(), eight_bit[2].data_ptr<float>() + 2 * kCodes);
-  StepUnit u{};
-  u.numel = n;
-  u.param = param.data_ptr();
-  u.grad = grad.data_ptr();
-  u.exp_avg = exp_avg.data_ptr();
-  u.exp_avg_sq = exp_avg_sq.data_ptr();
-  u.bf16_mode = true;
-  u.eight_bit = true;
   u.codes = codes_.back().data();
   u.exp_avg_absmax = eight_bit[0].data_ptr<float>();
   u.exp_avg_sq_absmax = eight_bit[1].data_ptr<float>();

@@ -28,7 +28,8 @@ void check_span(const char* who, const at::Tensor& t, const char* name, int64_t 
 }
 
 StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, c10::Device device) {
+                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, c10::Device device,
+                      bool eight_bit) {
   const int64_t n = param.numel();
   check_span(who, param, "param", n, device);
   check_span(who, grad, "grad", n, device);
@@ -40,11 +41,14 @@ StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor
   u.grad = grad.data_ptr();
   u.exp_avg = exp_avg.data_ptr();
   u.exp_avg_sq = exp_avg_sq.data_ptr();
-  if (param.scalar_type() == at::kBFloat16) {
-    const char* mode = "bf16 (bf16 param)";
+  if (param.scalar_type() == at::kBFloat16 || eight_bit) {
+    const char* mode = eight_bit ? "8-bit (bf16 param, uint8 moments)" : "bf16 (bf16 param)";
+    const at::ScalarType moments = eight_bit ? at::kByte : at::kBFloat16;
+    check_dtype(who, param, "param", at::kBFloat16, mode);
     check_dtype(who, grad, "grad", at::kBFloat16, mode);
-    check_dtype(who, exp_avg, "exp_avg", at::kBFloat16, mode);
-    check_dtype(who, exp_avg_sq, "exp_avg_sq", at::kBFloat16, mode);
+    check_dtype(who, exp_avg, "exp_avg", moments, mode);
+    check_dtype(who, exp_avg_sq, "exp_avg_sq", moments, mode);
+    u.eight_bit = eight_bit;
     TORCH_CHECK(!param_out.has_value(), who, ": param_out is only for fp32 master params; "
                 "a bf16 param is updated in place");
     u.bf16_mode = true;

@@ -23,7 +23,7 @@ void check_dtype(const char* who, const at::Tensor& t, const char* name, at::Sca
 // when `device` is not given: the CPU) and describes it.
 StepUnit checked_unit(const char* who, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                       const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-                      c10::Device device = c10::Device(c10::kCPU));
+                      c10::Device device = c10::Device(c10::kCPU), bool eight_bit = false);
 
 // The adamw_step op's scalar arguments, checked (the same rules on every device); grad_scale != 1 needs a bf16
 // gradient (the step reads bf16(grad * grad_scale), rounded as torch's clipping rounds a bf16 .grad).
