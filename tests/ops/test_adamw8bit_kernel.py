@@ -65,6 +65,23 @@ def test_kernel_equals_the_reference_bit_for_bit_on_every_isa_and_thread_count(n
             _assert_equal(_run(eight_bit.adamw8bit_step, param, grads, wd), ref, f"{level}, {threads} threads")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sr_seed", [None, 7])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [257, 4099, (1 << 24) + 5])  # the last: more blocks than the grid, each reused
+def test_the_cuda_kernel_equals_the_reference_bit_for_bit(n: int, grad_dtype: torch.dtype, sr_seed: int | None) -> None:
+    param, grads = _problem(n, grad_dtype, n)
+    kw = dict(sr_seed=sr_seed, sr_stream=3, sr_offset=(1 << 32) - 1000) if sr_seed is not None else {}
+    ref = _run(eight_bit.reference_adamw8bit_step, param, grads, 0.1, **kw)
+    cuda = [g.cuda() for g in grads]
+    maps = tuple(m.cuda() for m in (eight_bit.signed_dynamic_map(), eight_bit.unsigned_dynamic_map()))
+    state = [param.cuda(), *(t.cuda() for t in eight_bit.zero_state(n))]
+    for step, (lr, g) in enumerate(zip(LRS, cuda), start=1):
+        eight_bit.adamw8bit_step(state[0], g, *state[1:], lr=lr, weight_decay=0.1, step=step, maps=maps, **HYPER,
+                                 **kw)
+    _assert_equal([t.cpu() for t in state], ref, f"cuda, {n} elements")
+
+
 def _crowded(code: torch.Tensor) -> torch.Tensor:
     """The map with codes 201 .. 205 moved to just above code 200: five midpoints share one bucket of floats."""
     crowded = code.clone()

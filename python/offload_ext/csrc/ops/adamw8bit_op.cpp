@@ -15,17 +15,19 @@ namespace {
 constexpr const char* kWho = "adamw8bit_step";
 
 // `counted`: what the element count follows (param's, or a count of its own).
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel, const char* counted) {
-  check_span(kWho, t, name, t.numel());
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel, const char* counted,
+                  c10::Device device) {
+  check_span(kWho, t, name, t.numel(), device);
   TORCH_CHECK(t.numel() == numel, kWho, ": expected ", name, " to have ", num(numel), " elements ", counted, ", got ",
               num(t.numel()));
   TORCH_CHECK(t.scalar_type() == dtype, kWho, ": expected ", name, " of dtype ", dtype, ", got ", t.scalar_type());
 }
 
 // The encoder's search needs each map finite and strictly increasing.
-void check_map(const at::Tensor& code, const char* name) {
-  check_tensor(code, name, at::kFloat, kCodes, "(the map's codes)");
-  const float* c = code.const_data_ptr<float>();
+void check_map(const at::Tensor& code, const char* name, c10::Device device) {
+  check_tensor(code, name, at::kFloat, kCodes, "(the map's codes)", device);
+  const at::Tensor host = code.cpu();  // a CUDA map is read back once: 1 KiB
+  const float* c = host.const_data_ptr<float>();
   for (int k = 0; k < kCodes; ++k) {
     TORCH_CHECK(std::isfinite(c[k]), kWho, ": expected ", name, " finite, but code ", num(int64_t{k}), " is ",
                 num(static_cast<double>(c[k])));
@@ -46,28 +48,41 @@ AdamWHyper checked_hyper(double lr, double beta1, double beta2, double eps, doub
 
 }  // namespace
 
+AdamWHyper checked_8bit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_absmax,
+                        const at::Tensor& exp_avg_sq_absmax, const at::Tensor& exp_avg_code,
+                        const at::Tensor& exp_avg_sq_code, double lr, double beta1, double beta2, double eps,
+                        double weight_decay, int64_t step, int64_t sr_offset) {
+  const int64_t n = param.numel();
+  const c10::Device device = param.device();
+  TORCH_CHECK(param.scalar_type() == at::kBFloat16, kWho, ": expected param of dtype BFloat16 (bf16-8bit steps bf16 "
+              "params), got ", param.scalar_type());
+  check_span(kWho, param, "param", n, device);
+  check_span(kWho, grad, "grad", n, device);
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kFloat, kWho,
+              ": expected grad of dtype bfloat16 or float32, got ", grad.scalar_type());
+  check_tensor(exp_avg, "exp_avg", at::kByte, n, "like param", device);
+  check_tensor(exp_avg_sq, "exp_avg_sq", at::kByte, n, "like param", device);
+  check_tensor(exp_avg_absmax, "exp_avg_absmax", at::kFloat, num_blocks(n), "(one a block of 256)", device);
+  check_tensor(exp_avg_sq_absmax, "exp_avg_sq_absmax", at::kFloat, num_blocks(n), "(one a block of 256)", device);
+  check_map(exp_avg_code, "exp_avg_code", device);
+  check_map(exp_avg_sq_code, "exp_avg_sq_code", device);
+  TORCH_CHECK(sr_offset >= 0, kWho, ": expected sr_offset >= 0 (the stream index of the span's element 0), got ",
+              num(sr_offset));
+  return checked_hyper(lr, beta1, beta2, eps, weight_decay, step);
+}
+
 void adamw8bit_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                         const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_absmax,
                         const at::Tensor& exp_avg_sq_absmax, const at::Tensor& exp_avg_code,
                         const at::Tensor& exp_avg_sq_code, double lr, double beta1, double beta2, double eps,
                         double weight_decay, int64_t step, std::optional<int64_t> sr_seed, int64_t sr_stream,
                         int64_t sr_offset) {
+  TORCH_CHECK(param.device().is_cpu(), kWho, ": expected param on the CPU, got a tensor on ", param.device());
   const int64_t n = param.numel();
-  TORCH_CHECK(param.scalar_type() == at::kBFloat16, kWho, ": expected param of dtype BFloat16 (bf16-8bit steps bf16 "
-              "params), got ", param.scalar_type());
-  check_span(kWho, param, "param", n);
-  check_span(kWho, grad, "grad", n);
-  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kFloat, kWho,
-              ": expected grad of dtype bfloat16 or float32, got ", grad.scalar_type());
-  check_tensor(exp_avg, "exp_avg", at::kByte, n, "like param");
-  check_tensor(exp_avg_sq, "exp_avg_sq", at::kByte, n, "like param");
-  check_tensor(exp_avg_absmax, "exp_avg_absmax", at::kFloat, num_blocks(n), "(one a block of 256)");
-  check_tensor(exp_avg_sq_absmax, "exp_avg_sq_absmax", at::kFloat, num_blocks(n), "(one a block of 256)");
-  check_map(exp_avg_code, "exp_avg_code");
-  check_map(exp_avg_sq_code, "exp_avg_sq_code");
-  const AdamWHyper h = checked_hyper(lr, beta1, beta2, eps, weight_decay, step);
-  TORCH_CHECK(sr_offset >= 0, kWho, ": expected sr_offset >= 0 (the stream index of the span's element 0), got ",
-              num(sr_offset));
+  const AdamWHyper h = checked_8bit(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
+                                    exp_avg_code, exp_avg_sq_code, lr, beta1, beta2, eps, weight_decay, step,
+                                    sr_offset);
   std::optional<SrStream> sr;
   if (sr_seed) sr = SrStream{static_cast<uint64_t>(*sr_seed), static_cast<uint64_t>(sr_stream), sr_offset};
   const EightBitPass pass{reinterpret_cast<uint16_t*>(param.data_ptr()), grad.const_data_ptr(),
