@@ -1,13 +1,18 @@
-"""The interface between the Offloader's hooks and a backend, and the per-layer host buffers both use."""
+"""The interface between the Offloader's hooks and a backend, and the per-layer host buffers both use (with their
+optimizer state in each precision)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from offload_ext.config import eight_bit
 from offload_ext.optim.clipping import sq_sum
+from offload_ext.optim.eight_bit import moment_dtype, num_blocks, zero_code
+from offload_ext.planning.host_sizes import absmax_slots
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,29 @@ class LayerBuffers:
         too, which no step writes, so that a forward copying from either buffer sees the same weights."""
         if self.alt and self.master is None and self.trainable < self.params.numel():
             self.alt[0][self.trainable:].copy_(self.params[self.trainable:])
+
+
+Alloc = Callable[[int, torch.dtype], torch.Tensor]  # the engine's host_zeros, or the page-locked zeros
+
+
+def moments(zeros: Alloc, precision: str, trainable: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp_avg and exp_avg_sq at zero: 8-bit, each the code of 0 in its map."""
+    pair = tuple(zeros(trainable, moment_dtype(precision)) for _ in range(2))
+    if eight_bit(precision):
+        for which, moment in enumerate(pair):
+            moment.fill_(zero_code(which))
+    return pair
+
+
+def absmaxes(zeros: Alloc, precision: str, trainable: int, groups: tuple[tuple[int, int, int], ...] | None
+             ) -> tuple[torch.Tensor, ...]:
+    """8-bit: each moment's absmaxes at zero, one a block of each group range (views of the planned slots, which
+    hold two ranges' worth: absmax_slots); none in the other precisions."""
+    if not eight_bit(precision):
+        return ()
+    need = sum(num_blocks(end - begin) for _, begin, end in groups or ((0, 0, trainable),))
+    slots = max(need, absmax_slots(trainable))
+    return tuple(zeros(slots, torch.float32)[:need] for _ in range(2))
 
 
 class Backend(ABC):

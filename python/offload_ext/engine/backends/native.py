@@ -22,11 +22,11 @@ import torch
 from offload_ext import ops
 from offload_ext._ext import native
 from offload_ext.config import eight_bit, stochastic
-from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers, absmaxes, moments
 from offload_ext.engine.backends.native_clipping import EngineClipping
 from offload_ext.engine.backends.native_host import fit, reserve
 from offload_ext.engine.device_redo import DeviceRedo
-from offload_ext.optim.eight_bit import eight_bit_codes, moment_dtype, num_blocks, zero_code
+from offload_ext.optim.eight_bit import eight_bit_codes
 from offload_ext.planning import host_sizes
 from offload_ext.planning.host_sizes import NativeHostPlan
 
@@ -48,7 +48,7 @@ class NativeBackend(Backend):
         super().__init__(device, precision, accumulate)
         # "bf16-sr", "bf16-8bit-sr": unit i steps with stochastic rounding from stream i of this seed.
         self._sr_seed = sr_seed if stochastic(precision) else None
-        self._codes = eight_bit_codes() if eight_bit(precision) else None  # the 8-bit moments' maps
+        self._codes = eight_bit_codes() if eight_bit(precision) else None  # the 8-bit moments' maps, for add_unit
         ext = native()
         self._direction, self._jobs = ext.Direction, ext.Job
         # Clipping: which units speculate (plan() drops the lowest of them when host memory cannot hold their
@@ -136,9 +136,8 @@ class NativeBackend(Backend):
         # A unit redone on the device has its state page-locked: the device copies it in and out.
         redo = self._count in self._clip.device_redo_units
         zeros, empty = (self._pinned_zeros, e.pinned_empty) if redo else (e.host_zeros, e.host_empty)
-        exp_avg = self._moment(zeros, trainable, 0)
-        exp_avg_sq = self._moment(zeros, trainable, 1)
-        absmax = self._absmax(zeros, trainable, groups)
+        exp_avg, exp_avg_sq = moments(zeros, self.precision, trainable)
+        absmax = absmaxes(zeros, self.precision, trainable, groups)
         master_buf = empty(trainable, torch.float32) if self.precision == "mixed" else None
         accum = grads if self._clip.keep_grads else e.host_empty(trainable, torch.bfloat16) if self.accumulate else None
         stepped = master_buf if self.precision == "mixed" else params[:trainable]
@@ -147,8 +146,8 @@ class NativeBackend(Backend):
         if self._count in self._clip.units:
             # mixed: the master; bf16: whole params, page-locked (the next forward copies from them once swapped)
             first = zeros(trainable, torch.float32) if master_buf is not None else e.pinned_empty(numel, torch.bfloat16)
-            alt = (first, self._moment(zeros, trainable, 0), self._moment(zeros, trainable, 1),
-                   *self._absmax(zeros, trainable, groups))
+            alt = (first, *moments(zeros, self.precision, trainable),
+                   *absmaxes(zeros, self.precision, trainable, groups))
         layer = LayerBuffers(params, grads, exp_avg, exp_avg_sq, master_buf, trainable, accum, alt,
                              exp_avg_absmax=absmax[0] if absmax else None,
                              exp_avg_sq_absmax=absmax[1] if absmax else None)
@@ -162,22 +161,6 @@ class NativeBackend(Backend):
         self._layers.append(layer)
         self._groups.append(tuple(groups) if groups else ((0, 0, trainable),))
         return layer
-
-    def _moment(self, zeros: Any, trainable: int, which: int) -> torch.Tensor:
-        """A moment's buffer at zero: 8-bit, the code of 0 in its map (exp_avg's, `which` 0, or exp_avg_sq's)."""
-        moment = zeros(trainable, moment_dtype(self.precision))
-        if self._codes is not None:
-            moment.fill_(zero_code(which))
-        return moment
-
-    def _absmax(self, zeros: Any, trainable: int, groups: tuple[tuple[int, int, int], ...] | None
-                ) -> tuple[torch.Tensor, ...]:
-        """8-bit: each moment's absmaxes, one a block of each group range, at zero (views of the planned slots)."""
-        if self._codes is None:
-            return ()
-        need = sum(num_blocks(end - begin) for _, begin, end in groups or ((0, 0, trainable),))
-        slots = max(need, host_sizes.absmax_slots(trainable))
-        return tuple(zeros(slots, torch.float32)[:need] for _ in range(2))
 
     @property
     def device_redo_units(self) -> frozenset[int]:

@@ -18,21 +18,19 @@ from typing import Any
 import torch
 
 from offload_ext.config import eight_bit, stochastic
-from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
+from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers, absmaxes, moments
 from offload_ext.engine.backends.pinned_arena import PinnedArena
 from offload_ext.engine.backends.torch_copies import CudaCopies, ThreadCopies
 from offload_ext.engine.timeline import Timeline, span
 from offload_ext.optim.clipping import sq_sum
-from offload_ext.optim.eight_bit import moment_dtype, num_blocks, reference_adamw8bit_step, zero_code
+from offload_ext.optim.eight_bit import num_blocks, reference_adamw8bit_step
 from offload_ext.optim.stochastic_rounding import adamw_step_sr
 from offload_ext.planning import host_sizes
-from offload_ext.planning.host_sizes import (
-    HostNeed,
-    absmax_slots,
-    python_alternatives,
-    python_arena_elements,
-    python_host_need,
-)
+from offload_ext.planning.host_sizes import HostNeed, python_alternatives, python_arena_elements, python_host_need
+
+
+def _zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype)
 
 
 class PythonBackend(Backend):
@@ -79,21 +77,16 @@ class PythonBackend(Backend):
         # Here every layer has a grad buffer of its own, so own_grads changes nothing.
         params = self._pinned(numel)
         ranges = groups or ((0, 0, trainable),)
-        moments = (torch.zeros(trainable, dtype=moment_dtype(self.precision)) for _ in range(2))
-        if eight_bit(self.precision):  # each at the code of 0 in its map, an absmax a block of each group range
-            moments = (m.fill_(zero_code(k)) for k, m in enumerate(moments))
-            need = sum(num_blocks(e - b) for _, b, e in ranges)
-            slots = max(need, absmax_slots(trainable))
-            absmax = [torch.zeros(slots)[:need] for _ in range(2)]
+        absmax = absmaxes(_zeros, self.precision, trainable, groups)
         layer = LayerBuffers(
             params,
             self._pinned(trainable),  # the gradients: always written by a D2H before use
-            *moments,
+            *moments(_zeros, self.precision, trainable),
             master=torch.empty(trainable, dtype=torch.float32) if self.precision == "mixed" else None,
             trainable=trainable,
             accum=torch.empty(trainable, dtype=torch.bfloat16) if self.accumulate else None,
-            exp_avg_absmax=absmax[0] if eight_bit(self.precision) else None,
-            exp_avg_sq_absmax=absmax[1] if eight_bit(self.precision) else None,
+            exp_avg_absmax=absmax[0] if absmax else None,
+            exp_avg_sq_absmax=absmax[1] if absmax else None,
         )
         stepped = layer.master if self.precision == "mixed" else layer.trainable_params
         if self.precision == "mixed":
