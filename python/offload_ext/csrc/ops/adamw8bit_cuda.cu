@@ -14,6 +14,7 @@
 #include "../kernels/adamw8bit.h"
 #include "../kernels/adamw_update.h"
 #include "../kernels/bf16.h"
+#include "../kernels/device_lane.h"
 #include "../kernels/stochastic_rounding.h"
 #include "adamw8bit_op.h"
 
@@ -23,17 +24,6 @@ namespace {
 constexpr int kThreads = static_cast<int>(kBlock);  // a thread an element of a block, and one a code
 static_assert(kBlock == kCodes, "load_maps reads a map's code per thread");
 constexpr int kWarps = kThreads / 32;
-
-struct DeviceLane {  // adamw_update's vector interface, one lane, each operation rounded once
-  using F = float;
-  __device__ static F set1(float x) { return x; }
-  __device__ static F add(F a, F b) { return __fadd_rn(a, b); }
-  __device__ static F sub(F a, F b) { return __fsub_rn(a, b); }
-  __device__ static F mul(F a, F b) { return __fmul_rn(a, b); }
-  __device__ static F div(F a, F b) { return __fdiv_rn(a, b); }
-  __device__ static F sqrt(F a) { return __fsqrt_rn(a); }
-  __device__ static F fmadd(F a, F b, F c) { return __fmaf_rn(a, b, c); }
-};
 
 struct Maps {  // a moment's codes and the midpoints between neighbours (then +inf), as the CPU tables hold them
   float code[kCodes];

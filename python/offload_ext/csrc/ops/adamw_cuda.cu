@@ -11,25 +11,13 @@
 
 #include "../kernels/adamw_update.h"
 #include "../kernels/bf16.h"
+#include "../kernels/device_lane.h"
 #include "adamw_op.h"
 
 namespace offload_ext {
 namespace {
 
 constexpr int kThreads = 256;
-
-// adamw_update's vector interface, one lane, each operation rounded once (only kernels instantiate it, so
-// nvcc never needs a host side of these).
-struct DeviceLane {
-  using F = float;
-  __device__ static F set1(float x) { return x; }
-  __device__ static F add(F a, F b) { return __fadd_rn(a, b); }
-  __device__ static F sub(F a, F b) { return __fsub_rn(a, b); }
-  __device__ static F mul(F a, F b) { return __fmul_rn(a, b); }
-  __device__ static F div(F a, F b) { return __fdiv_rn(a, b); }
-  __device__ static F sqrt(F a) { return __fsqrt_rn(a); }
-  __device__ static F fmadd(F a, F b, F c) { return __fmaf_rn(a, b, c); }
-};
 
 // The gradient as the step reads it: as stored, or bf16(grad * scale) (adamw_kernel.h's kGradScale).
 template <bool kScale>
