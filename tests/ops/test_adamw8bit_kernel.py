@@ -66,9 +66,10 @@ def test_kernel_equals_the_reference_bit_for_bit_on_every_isa_and_thread_count(n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sr_seed", [None, 7])
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [257, 4099, (1 << 24) + 5])  # the last: more blocks than the grid, each reused
+@pytest.mark.parametrize("n, grad_dtype, sr_seed", [
+    *((n, g, s) for n in (257, 4099) for g in (torch.bfloat16, torch.float32) for s in (None, 7)),
+    ((1 << 24) + 5, torch.bfloat16, 7),  # more blocks than the grid's 65535: a thread block steps several
+])
 def test_the_cuda_kernel_equals_the_reference_bit_for_bit(n: int, grad_dtype: torch.dtype, sr_seed: int | None) -> None:
     param, grads = _problem(n, grad_dtype, n)
     kw = dict(sr_seed=sr_seed, sr_stream=3, sr_offset=(1 << 32) - 1000) if sr_seed is not None else {}
