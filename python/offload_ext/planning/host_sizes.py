@@ -117,9 +117,9 @@ def absmax_slots(trainable: int) -> int:
     return -(-trainable // EIGHT_BIT_BLOCK) + 1
 
 
-def absmax_bytes(precision: str, trainable: int) -> int:
-    """Bytes of one moment's absmaxes (none outside the 8-bit precisions)."""
-    return 4 * absmax_slots(trainable) if eight_bit(precision) else 0
+def absmax_bytes(trainable: int) -> int:
+    """Bytes of one 8-bit moment's absmaxes."""
+    return 4 * absmax_slots(trainable)
 
 
 _LORA = "the frozen base's bf16 params; adapters not counted"
@@ -186,7 +186,7 @@ class NativeHostPlan:
             return []
         redo = index in self.device_redo_units
         first = (2 * numel, True) if self.precision != "mixed" else (4 * trainable, redo)
-        absmax = [(absmax_bytes(self.precision, trainable), redo)] * 2 if eight_bit(self.precision) else []
+        absmax = [(absmax_bytes(trainable), redo)] * 2 if eight_bit(self.precision) else []
         return [first] + [(moment_bytes(self.precision) * trainable, redo)] * 2 + absmax
 
     def state(self, index: int, trainable: int) -> list[HostBlock]:
@@ -196,7 +196,7 @@ class NativeHostPlan:
         tag = " (redone on the device)" if redo else ""
         blocks = [self._block("moments" + tag, moment_bytes(self.precision) * trainable, redo)] * 2
         if eight_bit(self.precision):
-            blocks += [self._block("moments' absmaxes", absmax_bytes(self.precision, trainable), redo)] * 2
+            blocks += [self._block("moments' absmaxes", absmax_bytes(trainable), redo)] * 2
         return blocks + ([self._block("fp32 master" + tag, 4 * trainable, redo)] if self.precision == "mixed" else [])
 
     def _block(self, what: str, raw: int, pinned: bool) -> HostBlock:
@@ -306,7 +306,7 @@ def python_host_need(precision: str, sizes: Sizes, own_grads: Sizes, accumulate:
     for _, t in (*sizes, *own_grads):
         blocks += [HostBlock("moments", moment_bytes(precision) * t, False)] * 2
         if eight_bit(precision):
-            blocks += [HostBlock("moments' absmaxes", absmax_bytes(precision, t), False)] * 2
+            blocks += [HostBlock("moments' absmaxes", absmax_bytes(t), False)] * 2
         if precision == "mixed":
             blocks += [HostBlock("fp32 master", 4 * t, False), HostBlock("fp32 gradients", 4 * t, False)]
         if accumulate:

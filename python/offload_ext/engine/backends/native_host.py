@@ -43,4 +43,3 @@ def reserve(engine: Any, plan: NativeHostPlan, before: int | None) -> NativeHost
     # step (B2 speculative steps whose second buffers were fresh: 150 ms against 30).
     engine.reserve_host_blocks([b.nbytes for b in plan.pageable_blocks()])
     return plan
-
