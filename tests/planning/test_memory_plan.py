@@ -149,6 +149,21 @@ def test_a_lora_base_the_host_cannot_hold_in_bf16_is_offered_in_int8_and_nf4_wit
     assert not full.fits and not any("base_dtype" in o for o in full.options)
 
 
+def test_a_lora_run_that_keeps_layers_is_offered_a_quantized_base_with_the_recompute_it_needs() -> None:
+    from offload_ext.models.lora import add_lora
+
+    model = add_lora(_meta_llama(), 4, 8, ("q_proj", "v_proj"))
+    kept = dict(activation_checkpointing=1, device="cpu")
+    memory = offload_ext.plan(model, host_memory=int(offload_ext.plan(model, host_memory="10GB", **kept).host_total
+                                                     * 0.8 * 8 / 7), **kept)
+    assert not memory.fits
+    for fmt in ("int8", "nf4"):
+        held = offload_ext.plan(model, device="cpu", host_memory="10GB", base_dtype=fmt)  # recomputes every layer
+        line = f"host: base_dtype='{fmt}', activation_checkpointing='all' (saves " \
+               f"{(memory.host_total - held.host_total) / 1e9:.1f} GB: {held.host_total / 1e9:.1f} GB in all"
+        assert any(o.startswith(line) for o in memory.options), (line, memory.options)
+
+
 def test_speculation_is_planned_as_high_up_as_the_host_holds_it() -> None:
     model = _meta_llama(layers=8)
     full = offload_ext.plan(model, device="cpu", max_grad_norm=1.0, host_memory="100GB")

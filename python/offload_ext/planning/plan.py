@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from offload_ext.config import PRECISIONS, OffloadConfig, check_hyper, parse_size, resolve_device
+from offload_ext.models.quantized_base import quantized_linears
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.planning import host_sizes
 from offload_ext.planning.choices import EngineChoices, Settings, check_checkpointing
@@ -63,18 +64,26 @@ BASE_NOTES = {"int8": "the frozen base's linear weights in int8, a scale per row
               "nf4": "the frozen base's linear weights in NF4, bitsandbytes' QLoRA layout"}
 
 
+def _streams_frozen_linears(model: nn.Module, fmt: str) -> bool:
+    """Whether a streamed layer holds a frozen linear weight `fmt` can hold: what base_dtype quantizes."""
+    return any(quantized_linears(layer, fmt) for _, stack in find_layer_stacks(model) for layer in stack)
+
+
 def _quantized_bases(model: nn.Module, ev: Evaluation, machine: Machine,
                      group_of: GroupOf) -> list[host_sizes.Alternative]:
-    """For LoRA (a frozen base in the streamed layers, held in bf16), the base held in 8 and in 4 bits instead."""
-    if ev.settings.config.base_dtype is not None:
+    """For LoRA's frozen base held in bf16, the base held in 8 and in 4 bits instead (each layer recomputed whole,
+    as a quantized base needs: OffloadConfig.base_dtype)."""
+    c = ev.settings.config
+    if c.base_dtype is not None:
         return []
+    recompute = "" if c.activation_checkpointing == "all" else ", activation_checkpointing='all'"
     options = []
     for fmt, note in BASE_NOTES.items():
-        try:
-            alt = evaluate(model, ev.settings.with_changes(base_dtype=fmt), machine, group_of)
-        except ValueError:  # no frozen base (a full fine-tune), or a setting base_dtype does not take
-            return []
-        options.append(host_sizes.Alternative(f"base_dtype={fmt!r}", alt.host.need.total, note))
+        if not _streams_frozen_linears(model, fmt):  # a full fine-tune, or a base outside the streamed layers
+            continue
+        changed = ev.settings.with_changes(base_dtype=fmt, activation_checkpointing="all")
+        alt = evaluate(model, changed, machine, group_of)
+        options.append(host_sizes.Alternative(f"base_dtype={fmt!r}{recompute}", alt.host.need.total, note))
     return options
 
 
