@@ -36,6 +36,11 @@ def eight_bit(precision: str) -> bool:
     return precision.startswith("bf16-8bit")
 
 
+def moment_dtype(precision: str) -> torch.dtype:
+    """The host's moments' dtype in `precision`: fp32 in "mixed", uint8 codes in the 8-bit ones, else bf16."""
+    return torch.float32 if precision == "mixed" else torch.uint8 if eight_bit(precision) else torch.bfloat16
+
+
 def device_precision(precision: str) -> str:
     """The precision of what steps on the device (its optimizer has no 8-bit moments)."""
     return precision.replace("-8bit", "")

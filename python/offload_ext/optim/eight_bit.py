@@ -37,7 +37,6 @@ import math
 import torch
 
 from offload_ext import ops
-from offload_ext.config import eight_bit
 from offload_ext.optim import stochastic_rounding
 from offload_ext.planning.host_sizes import EIGHT_BIT_BLOCK
 
@@ -87,11 +86,6 @@ def eight_bit_codes() -> torch.Tensor:
 def zero_code(which: int) -> int:
     """The index of code 0 in exp_avg's map (`which` 0) or exp_avg_sq's (1): a moment at zero."""
     return int(torch.nonzero(_maps()[which] == 0))
-
-
-def moment_dtype(precision: str) -> torch.dtype:
-    """The host's moments' dtype in `precision`: fp32 in "mixed", uint8 codes in the 8-bit ones, else bf16."""
-    return torch.float32 if precision == "mixed" else torch.uint8 if eight_bit(precision) else torch.bfloat16
 
 
 def zero_state(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload_ext.config import eight_bit, parse_size
+from offload_ext.config import eight_bit, moment_dtype, parse_size
 
 PAGE = 4096
 # Room each native block leaves for its start past a page boundary (Engine.next_offset) and the rounding of
@@ -107,7 +107,7 @@ EIGHT_BIT_BLOCK = 256
 
 def moment_bytes(precision: str) -> int:
     """Bytes of each moment's element: fp32 in "mixed", one in the 8-bit precisions, bf16 otherwise."""
-    return 4 if precision == "mixed" else 1 if eight_bit(precision) else 2
+    return moment_dtype(precision).itemsize
 
 
 def absmax_slots(trainable: int) -> int:

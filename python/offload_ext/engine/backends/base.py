@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from offload_ext.config import eight_bit
+from offload_ext.config import eight_bit, moment_dtype
 from offload_ext.optim.clipping import sq_sum
-from offload_ext.optim.eight_bit import moment_dtype, num_blocks, zero_code
+from offload_ext.optim.eight_bit import num_blocks, zero_code
 from offload_ext.planning.host_sizes import absmax_slots
 
 

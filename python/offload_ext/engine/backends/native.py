@@ -21,7 +21,7 @@ import torch
 
 from offload_ext import ops
 from offload_ext._ext import native
-from offload_ext.config import eight_bit, stochastic
+from offload_ext.config import eight_bit, moment_dtype, stochastic
 from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers, absmaxes, moments
 from offload_ext.engine.backends.native_clipping import EngineClipping
 from offload_ext.engine.backends.native_host import fit, reserve
@@ -121,8 +121,8 @@ class NativeBackend(Backend):
         self._ring = [self._engine.pinned_empty(max(1, largest), torch.bfloat16) for _ in range(self._grad_slots)]
         redo_units = self._clip.device_redo_units
         if redo_units:
-            state = torch.float32 if self.precision == "mixed" else torch.bfloat16
-            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in redo_units), state)
+            self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in redo_units),
+                                           moment_dtype(self.precision))
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
