@@ -1039,12 +1039,55 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
         assert torch.equal(a, b), name
 
 
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for item in items for t in _flat_tensors(item)]
+
+
+@pytest.mark.parametrize("precision", ["bf16-8bit", "bf16-8bit-sr"])
+@pytest.mark.parametrize("piece", [None, 777])
+def test_clipped_8bit_redos_on_the_device_are_the_hosts_bit_for_bit(precision, piece, monkeypatch) -> None:
+    # In 8 bits the device redoes each group range as the host does, a span of its own: its blocks and absmaxes
+    # counted from its start, the params' stochastic rounding from its stream index. Pieces of 777 elements
+    # (768 in 8 bits: whole blocks) cut the ranges; slow host steps and late copies meet every speculative state.
+    from offload_ext.planning import gpu
+
+    if piece is not None:
+        monkeypatch.setattr(gpu, "REDO_PIECE", piece)
+    base, data = tiny_llama(layers=4), batches(5)
+
+    def run(device_redo_layers: int) -> tuple[list[float], list[torch.Tensor], int]:
+        model = copy.deepcopy(base)
+        off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native",
+                                    device="cpu", max_grad_norm=0.5, slice_elements=5000, no_decay=("norm",),
+                                    device_redo_layers=device_redo_layers)
+        testing.delayed_copies(off, 3000)
+        testing.slow_host_steps(off, 3000)
+        losses = offloaded_training(off, model, data)
+        assert off.last_clip_action == "redone"
+        state, redos = _flat_tensors(off.state_dict()), off.stats()["device_redos"]
+        off.close()
+        return losses, [*model.parameters(), *state], redos
+
+    on_host, on_device = run(0), run(3)
+    assert (on_host[2], on_device[2]) == (0, 3 * len(data))
+    assert on_device[0] == on_host[0]
+    assert len(on_device[1]) == len(on_host[1])
+    for a, b in zip(on_host[1], on_device[1]):
+        assert torch.equal(a, b)
+
+
 def test_device_redos_are_chosen_where_they_apply_and_refused_where_they_cannot() -> None:
     model = tiny_llama(layers=6)
     clip = dict(backend="native", device="cpu", max_grad_norm=1.0)
     chosen = offload_ext.Offloader(copy.deepcopy(model), **clip)
     assert chosen.stats()["device_redos"] == 0 and testing.device_redo_units(chosen) == {4, 5}  # a third
     chosen.close()
+    eight = offload_ext.Offloader(copy.deepcopy(model), **clip, precision="bf16-8bit-sr")
+    assert testing.device_redo_units(eight) == {4, 5}  # the 8-bit kernel rounds stochastically on the device too
+    eight.close()
     for kw in (dict(grad_accum=2), dict(speculative_clip=False), dict(precision="bf16-sr")):
         off = offload_ext.Offloader(copy.deepcopy(model), **clip, **kw)
         assert not testing.device_redo_units(off), kw

@@ -157,7 +157,7 @@ def test_async_step_on_a_slow_host_trains_exactly_like_the_synchronous_step() ->
     _assert_same_weights(sync_weights, weights)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", "mixed", "bf16-8bit", "bf16-8bit-sr"])
 def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_host_redos(precision) -> None:
     # Clipping triggers every step: the top half's redos run in the CUDA kernel, from state copied in on a
     # side stream, while copies stall at random and the host is slow; the host redoing everything is the

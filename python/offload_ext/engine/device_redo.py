@@ -13,29 +13,44 @@ device the same path runs with the CPU kernel and plain copies."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from offload_ext import ops
+from offload_ext.optim.eight_bit import BLOCK, CODES, num_blocks
 from offload_ext.planning.gpu import REDO_SETS, redo_piece
 
 
 # Sets of device buffers: the copies in of one piece of a unit fill one set while the piece before is stepped
 # and copied back from the other. A piece is at most REDO_PIECE elements (256 MB of device memory in all).
 class DeviceRedo:
-    def __init__(self, device: torch.device, largest: int, state: torch.dtype = torch.bfloat16) -> None:
-        piece = redo_piece(largest)
-        mixed = state == torch.float32
+    """`state`: the host moments' dtype (bf16; fp32 in "mixed", whose params are fp32 masters; uint8 codes in the
+    8-bit precisions, which also bring their two maps, `codes`, and `sr_seed` when the params round
+    stochastically)."""
 
-        def one_set() -> tuple[torch.Tensor | None, ...]:
-            p, m, v = (torch.empty(piece, dtype=state, device=device) for _ in range(3))
-            g = torch.empty(piece, dtype=torch.bfloat16, device=device)
-            return p, g, m, v, torch.empty(piece, dtype=torch.bfloat16, device=device) if mixed else None
+    def __init__(self, device: torch.device, largest: int, state: torch.dtype = torch.bfloat16,
+                 codes: torch.Tensor | None = None, sr_seed: int | None = None) -> None:
+        piece = redo_piece(largest)
+        mixed, eight = state == torch.float32, state == torch.uint8
+
+        def one_set() -> dict[str, torch.Tensor]:
+            def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(numel, dtype=dtype, device=device)
+            bufs = dict(p=empty(piece, torch.float32 if mixed else torch.bfloat16), g=empty(piece, torch.bfloat16),
+                        m=empty(piece, state), v=empty(piece, state))
+            if mixed:  # the stepped master rounded to bf16
+                bufs["o"] = empty(piece, torch.bfloat16)
+            if eight:  # one absmax of each moment a block
+                bufs["am"], bufs["av"] = (empty(num_blocks(piece), torch.float32) for _ in range(2))
+            return bufs
 
         self._sets = [one_set() for _ in range(REDO_SETS)]
+        self._codes = codes.to(device).split(CODES) if eight else None
+        self._sr_seed = sr_seed
         cuda = device.type == "cuda"
         # The lowest priority (torch's default; the engine's copy streams have the highest): the next forward's
         # weight copies go first where both have work queued.
@@ -97,39 +112,80 @@ class DeviceRedo:
         """Step unit `unit` from `before` (params or fp32 master, exp_avg, exp_avg_sq: its state before the
         speculative step) with bf16(grad * scale) into `live` (the same three), each group range [begin, end)
         with its Hyper; `out` ("mixed"): where the stepped master goes rounded to bf16."""
-        n, piece = grad.numel(), self._sets[0][0].numel()
+        n, piece, names, done = grad.numel(), self._sets[0]["p"].numel(), ("p", "m", "v"), None
         for start in range(0, n, piece):
             end = min(n, start + piece)
             pieces = [(h, max(a, start) - start, min(b, end) - start) for h, a, b in ranges if a < end and b > start]
-            targets = [t[start:end] for t in live] + ([out[start:end]] if out is not None else [])
-            done = self._piece(unit, targets, [t[start:end] for t in before], grad[start:end], pieces, scale)
+            back = [(t[start:end], k) for t, k in zip(live, names)]
+            back += [(out[start:end], "o")] if out is not None else []
+            done = self._piece(unit, [(k, t[start:end]) for k, t in zip(names, before)] + [("g", grad[start:end])],
+                               functools.partial(self._step, pieces, scale), back)
+        self._finish(unit, done)
+
+    def redo_8bit(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
+                  ranges: Sequence[tuple[Any, int, int]], scale: float) -> None:
+        """redo() in the 8-bit precisions: `live` and `before` hold params, exp_avg, exp_avg_sq and their two
+        absmaxes, one a block of each group range counted from its start (backends.base.absmaxes); each range
+        is stepped as the host steps it, a span of its own (offload_ext.optim.eight_bit's rule, the params'
+        stochastic rounding drawing stream `unit` from the range's start)."""
+        # a piece is whole blocks of its range (a range shorter than a block is one piece: the largest is no longer)
+        piece = max(BLOCK, self._sets[0]["p"].numel() // BLOCK * BLOCK)
+        first, names, done = 0, ("p", "m", "v", "am", "av"), None
+        for h, a, b in ranges:
+            for start in range(a, b, piece):
+                elems = slice(start, min(b, start + piece))
+                blocks = slice(first + (start - a) // BLOCK, first + num_blocks(elems.stop - a))
+                cuts = (elems, elems, elems, blocks, blocks)
+                step = functools.partial(self._step_8bit, h, unit, elems, blocks.stop - blocks.start, scale)
+                done = self._piece(unit, [(k, t[c]) for k, t, c in zip(names, before, cuts)] + [("g", grad[elems])],
+                                   step, [(t[c], k) for t, k, c in zip(live, names, cuts)])
+            first += num_blocks(b - a)
+        self._finish(unit, done)
+
+    @staticmethod
+    def _step(pieces: Sequence[tuple[Any, int, int]], scale: float, bufs: dict[str, torch.Tensor]) -> None:
+        p, g, m, v, o = (bufs.get(k) for k in ("p", "g", "m", "v", "o"))
+        for h, a, b in pieces:
+            ops.adamw_step(p[a:b], g[a:b], m[a:b], v[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                           weight_decay=h.weight_decay, step=h.step, grad_scale=scale,
+                           param_out=o[a:b] if o is not None else None)
+
+    def _step_8bit(self, h: Any, unit: int, elems: slice, blocks: int, scale: float,
+                   bufs: dict[str, torch.Tensor]) -> None:
+        n = elems.stop - elems.start
+        g = bufs["g"][:n]
+        if scale != 1.0:
+            g.mul_(scale)  # bf16(grad * scale), one rounding: the host kernel's clipped gradient
+        ops.adamw8bit_step(bufs["p"][:n], g, bufs["m"][:n], bufs["v"][:n], bufs["am"][:blocks], bufs["av"][:blocks],
+                           *self._codes, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                           weight_decay=h.weight_decay, step=h.step, sr_seed=self._sr_seed, sr_stream=unit,
+                           sr_offset=elems.start)
+
+    def _finish(self, unit: int, done: Any) -> None:
         if done is not None:
             self._pending[unit] = done
         self.count += 1
 
-    def _piece(self, unit: int, live: Sequence[torch.Tensor], before: Sequence[torch.Tensor], grad: torch.Tensor,
-               ranges: Sequence[tuple[Any, int, int]], scale: float) -> Any:
-        """One piece through the next set of buffers; the event after its copy back (None on the CPU)."""
-        n = grad.numel()
-        p, g, m, v, o = (buf[:n] if buf is not None else None for buf in self._sets[self._next])
-        free = self._free[self._next]
+    def _piece(self, unit: int, copies_in: Sequence[tuple[str, torch.Tensor]],
+               step: Callable[[dict[str, torch.Tensor]], None], copies_back: Sequence[tuple[torch.Tensor, str]]) -> Any:
+        """One piece through the next set of buffers: `copies_in` (buffer, source) on the copy stream, then `step`
+        over the set and `copies_back` (destination, buffer) on the work stream, each copy at the buffer's start;
+        the event after the copies back (None on the CPU)."""
+        bufs, free = self._sets[self._next], self._free[self._next]
         with self._stream(self._copy_in):
             if free is not None:
                 self._copy_in.wait_event(free)
             start = self._now(self._copy_in) if self._trace is not None else None
-            for dst, src in zip((p, m, v, g), (*before, grad)):
-                dst.copy_(src, non_blocking=True)
+            for name, src in copies_in:
+                bufs[name][:src.numel()].copy_(src, non_blocking=True)
             landed = self._record(self._copy_in)
             landed_at = landed if landed is not None else time.monotonic_ns()
         with self._stream(self._work):
             if landed is not None:
                 self._work.wait_event(landed)
-            for h, a, b in ranges:
-                ops.adamw_step(p[a:b], g[a:b], m[a:b], v[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                               weight_decay=h.weight_decay, step=h.step, grad_scale=scale,
-                               param_out=o[a:b] if o is not None else None)
-            for dst, src in zip(live, (p, m, v, o)):
-                dst.copy_(src, non_blocking=True)
+            step(bufs)
+            for dst, name in copies_back:
+                dst.copy_(bufs[name][:dst.numel()], non_blocking=True)
             done = self._record(self._work)
         if self._trace is not None:
             self._trace.append((unit, start, landed_at, done if done is not None else time.monotonic_ns()))

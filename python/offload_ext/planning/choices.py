@@ -108,14 +108,14 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
 
 def device_redo_per_stack(c: OffloadConfig, speculative: bool, stack_layers: int) -> int:
     """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
-    micro-batches (each layer's gradient kept on the host), in "bf16" or "mixed" (the CUDA kernel has no
-    stochastic rounding). None: a third of each stack, where it applies.
+    micro-batches (each layer's gradient kept on the host), in "bf16", "mixed" or the 8-bit precisions (the bf16
+    CUDA kernel has no stochastic rounding, the 8-bit one has). None: a third of each stack, where it applies.
     The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
     ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
     the host to keep n (g - a) / (g - a + c) layers (B1: g ~12.5, c ~9, a ~3.3: half). Measured, B1
     lost more than that model says as the device took more layers (a third or less gained up to
     7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
-    applies = speculative and c.grad_accum == 1 and c.precision in ("bf16", "mixed")
+    applies = speculative and c.grad_accum == 1 and c.precision in ("bf16", "mixed", "bf16-8bit", "bf16-8bit-sr")
     asked = c.tuning.device_redo_layers
     if asked is None:
         return stack_layers // 3 if applies else 0

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from offload_ext.config import eight_bit
 from offload_ext.models.quantized_base import DEQUANT_TEMP_BYTES
 from offload_ext.planning.layout import Layout
 
@@ -39,8 +40,9 @@ def redo_piece(largest: int) -> int:
 
 def redo_element_bytes(precision: str) -> int:
     """Device bytes per element of one set: params and moments in the state's dtype, the bf16 gradient and
-    ("mixed", fp32 masters) the bf16 params the step also writes."""
-    return 3 * 4 + 2 + 2 if precision == "mixed" else 4 * 2
+    ("mixed", fp32 masters) the bf16 params the step also writes; in 8 bits a byte a moment, and one more that
+    bounds their absmaxes (8 bytes a block of 256)."""
+    return 3 * 4 + 2 + 2 if precision == "mixed" else 2 + 2 + 1 + 1 + 1 if eight_bit(precision) else 4 * 2
 
 
 def device_free_bytes(device: torch.device) -> int:

@@ -122,7 +122,7 @@ class NativeBackend(Backend):
         redo_units = self._clip.device_redo_units
         if redo_units:
             self._device_redo = DeviceRedo(self.device, max(sizes[i][1] for i in redo_units),
-                                           moment_dtype(self.precision))
+                                           moment_dtype(self.precision), self._codes, self._sr_seed)
 
     def new_layer(self, numel: int, trainable: int, own_grads: bool = False,
                   groups: tuple[tuple[int, int, int], ...] | None = None) -> LayerBuffers:
@@ -232,6 +232,9 @@ class NativeBackend(Backend):
         live = (layer.master if mixed else layer.trainable_params, layer.exp_avg, layer.exp_avg_sq)
         before = (layer.alt[0][:t], *layer.alt[1:])
         ranges = [(self._hypers[g], a, b) for g, a, b in self._groups[index]]
+        if self._codes is not None:
+            live += (layer.exp_avg_absmax, layer.exp_avg_sq_absmax)
+            return self._device_redo.redo_8bit(index, live, before, layer.grads[:t], ranges, scale)
         # mixed: the stepped master rounded to bf16 also goes to the params the next forward copies
         self._device_redo.redo(index, live, before, layer.grads[:t], ranges, scale,
                                out=layer.trainable_params if mixed else None)
