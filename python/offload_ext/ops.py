@@ -80,13 +80,15 @@ def adamw8bit_step(
     sr_stream: int = 0,
     sr_offset: int = 0,
 ) -> None:
-    """One AdamW step with 8-bit moments ("bf16-8bit") over a contiguous CPU span, in place, by
+    """One AdamW step with 8-bit moments ("bf16-8bit") over a contiguous span (CPU or CUDA), in place, by
     offload_ext.optim.eight_bit's rule (which states it and gives it in torch ops, bit for bit).
 
     param bf16; grad bf16 or fp32; exp_avg and exp_avg_sq uint8 indices into the maps exp_avg_code and
     exp_avg_sq_code (256 strictly increasing fp32 codes each: eight_bit's dynamic maps); exp_avg_absmax and
-    exp_avg_sq_absmax fp32, one per block of 256 elements. `step` is 1-based. With `sr_seed` the param is stored
-    by stochastic rounding, the span's elements drawing indices sr_offset.. of stream (sr_seed, sr_stream).
+    exp_avg_sq_absmax fp32, one per block of 256 elements, all on param's device; the maps there or on the CPU
+    (a CUDA step then takes them by value, with no read back to check them). `step` is 1-based. With `sr_seed`
+    the param is stored by stochastic rounding, the span's elements drawing indices sr_offset.. of stream
+    (sr_seed, sr_stream).
     """
     native()
     torch.ops.offload_ext.adamw8bit_step(

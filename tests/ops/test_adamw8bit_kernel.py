@@ -66,16 +66,18 @@ def test_kernel_equals_the_reference_bit_for_bit_on_every_isa_and_thread_count(n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, grad_dtype, sr_seed", [
-    *((n, g, s) for n in (257, 4099) for g in (torch.bfloat16, torch.float32) for s in (None, 7)),
-    ((1 << 24) + 5, torch.bfloat16, 7),  # more blocks than the grid's 65535: a thread block steps several
+@pytest.mark.parametrize("n, grad_dtype, sr_seed, maps_on", [
+    *((n, g, s, "cuda") for n in (257, 4099) for g in (torch.bfloat16, torch.float32) for s in (None, 7)),
+    (4099, torch.bfloat16, 7, "cpu"),  # maps on the CPU: passed to the kernel by value, nothing read back
+    ((1 << 24) + 5, torch.bfloat16, 7, "cpu"),  # more blocks than the grid's 65535: a thread block steps several
 ])
-def test_the_cuda_kernel_equals_the_reference_bit_for_bit(n: int, grad_dtype: torch.dtype, sr_seed: int | None) -> None:
+def test_the_cuda_kernel_equals_the_reference_bit_for_bit(n: int, grad_dtype: torch.dtype, sr_seed: int | None,
+                                                          maps_on: str) -> None:
     param, grads = _problem(n, grad_dtype, n)
     kw = dict(sr_seed=sr_seed, sr_stream=3, sr_offset=(1 << 32) - 1000) if sr_seed is not None else {}
     ref = _run(eight_bit.reference_adamw8bit_step, param, grads, 0.1, **kw)
     cuda = [g.cuda() for g in grads]
-    maps = tuple(m.cuda() for m in (eight_bit.signed_dynamic_map(), eight_bit.unsigned_dynamic_map()))
+    maps = tuple(m.to(maps_on) for m in (eight_bit.signed_dynamic_map(), eight_bit.unsigned_dynamic_map()))
     state = [param.cuda(), *(t.cuda() for t in eight_bit.zero_state(n))]
     for step, (lr, g) in enumerate(zip(LRS, cuda), start=1):
         eight_bit.adamw8bit_step(state[0], g, *state[1:], lr=lr, weight_decay=0.1, step=step, maps=maps, **HYPER,

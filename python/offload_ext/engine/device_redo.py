@@ -49,7 +49,7 @@ class DeviceRedo:
             return bufs
 
         self._sets = [one_set() for _ in range(REDO_SETS)]
-        self._codes = codes.to(device).split(CODES) if eight else None
+        self._codes = codes.cpu().split(CODES) if eight else None  # the CUDA kernel takes CPU maps by value
         self._sr_seed = sr_seed
         cuda = device.type == "cuda"
         # The lowest priority (torch's default; the engine's copy streams have the highest): the next forward's

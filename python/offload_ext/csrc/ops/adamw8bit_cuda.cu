@@ -38,6 +38,12 @@ struct SrArgs {
   int64_t index;
 };
 
+// Both maps, passed to the kernel by value (2 KiB of its parameters): a map on the CPU needs no copy to the device.
+struct MapArgs {
+  float m[kCodes];
+  float v[kCodes];
+};
+
 __device__ void load_maps(const float* code, Maps& m) {
   const int t = threadIdx.x;
   m.code[t] = code[t];
@@ -73,12 +79,11 @@ template <bool kSR, bool kFp32Grad>
 __global__ void __launch_bounds__(kThreads)
     adamw8bit_kernel(uint16_t* __restrict__ p, const void* __restrict__ g, uint8_t* __restrict__ qm,
                      uint8_t* __restrict__ qv, float* __restrict__ am, float* __restrict__ av,
-                     const float* __restrict__ code_m, const float* __restrict__ code_v, int64_t n, int64_t blocks,
-                     AdamWCoef c, SrArgs sr) {
+                     const __grid_constant__ MapArgs codes, int64_t n, int64_t blocks, AdamWCoef c, SrArgs sr) {
   __shared__ Maps maps_m, maps_v;
   __shared__ uint32_t scratch[2][kWarps];
-  load_maps(code_m, maps_m);
-  load_maps(code_v, maps_v);
+  load_maps(codes.m, maps_m);
+  load_maps(codes.v, maps_v);
   __syncthreads();
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kBlock + threadIdx.x;
@@ -119,12 +124,15 @@ void adamw8bit_step_cuda(const at::Tensor& param, const at::Tensor& grad, const 
                          const at::Tensor& exp_avg_sq_code, double lr, double beta1, double beta2, double eps,
                          double weight_decay, int64_t step, std::optional<int64_t> sr_seed, int64_t sr_stream,
                          int64_t sr_offset) {
-  const AdamWHyper h = checked_8bit(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
-                                    exp_avg_code, exp_avg_sq_code, lr, beta1, beta2, eps, weight_decay, step,
-                                    sr_offset);
+  const Checked8bit ck = checked_8bit(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
+                                      exp_avg_code, exp_avg_sq_code, lr, beta1, beta2, eps, weight_decay, step,
+                                      sr_offset);
   const int64_t n = param.numel();
   if (n == 0) return;
-  const AdamWCoef c = make_coef(h);
+  const AdamWCoef c = make_coef(ck.hyper);
+  MapArgs codes;
+  std::copy_n(ck.code_m.const_data_ptr<float>(), kCodes, codes.m);
+  std::copy_n(ck.code_v.const_data_ptr<float>(), kCodes, codes.v);
   const SrArgs sr{static_cast<uint64_t>(sr_seed.value_or(0)), static_cast<uint64_t>(sr_stream), step, sr_offset};
   const c10::cuda::CUDAGuard guard(param.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -135,15 +143,13 @@ void adamw8bit_step_cuda(const at::Tensor& param, const at::Tensor& grad, const 
   auto* qv = exp_avg_sq.data_ptr<uint8_t>();
   auto* am = exp_avg_absmax.data_ptr<float>();
   auto* av = exp_avg_sq_absmax.data_ptr<float>();
-  const float* cm = exp_avg_code.const_data_ptr<float>();
-  const float* cv = exp_avg_sq_code.const_data_ptr<float>();
   const void* g = grad.const_data_ptr();
   const bool fp32 = grad.scalar_type() == at::kFloat;
-  using Kernel = void (*)(uint16_t*, const void*, uint8_t*, uint8_t*, float*, float*, const float*, const float*,
-                         int64_t, int64_t, AdamWCoef, SrArgs);
+  using Kernel = void (*)(uint16_t*, const void*, uint8_t*, uint8_t*, float*, float*, MapArgs, int64_t, int64_t,
+                         AdamWCoef, SrArgs);
   const Kernel kernel = sr_seed.has_value() ? (fp32 ? adamw8bit_kernel<true, true> : adamw8bit_kernel<true, false>)
                                             : (fp32 ? adamw8bit_kernel<false, true> : adamw8bit_kernel<false, false>);
-  kernel<<<grid, kThreads, 0, stream>>>(p, g, qm, qv, am, av, cm, cv, n, blocks, c, sr);
+  kernel<<<grid, kThreads, 0, stream>>>(p, g, qm, qv, am, av, codes, n, blocks, c, sr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -23,10 +23,11 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   TORCH_CHECK(t.scalar_type() == dtype, kWho, ": expected ", name, " of dtype ", dtype, ", got ", t.scalar_type());
 }
 
-// The encoder's search needs each map finite and strictly increasing.
-void check_map(const at::Tensor& code, const char* name, c10::Device device) {
-  check_tensor(code, name, at::kFloat, kCodes, "(the map's codes)", device);
-  const at::Tensor host = code.cpu();  // a CUDA map is read back once: 1 KiB
+// The encoder's search needs each map finite and strictly increasing. A map on the CPU serves a CUDA step too
+// (its kernel takes the maps by value): no read back, which would wait for the step's stream.
+at::Tensor checked_map(const at::Tensor& code, const char* name, c10::Device device) {
+  check_tensor(code, name, at::kFloat, kCodes, "(the map's codes)", code.device().is_cpu() ? code.device() : device);
+  const at::Tensor host = code.cpu();
   const float* c = host.const_data_ptr<float>();
   for (int k = 0; k < kCodes; ++k) {
     TORCH_CHECK(std::isfinite(c[k]), kWho, ": expected ", name, " finite, but code ", num(int64_t{k}), " is ",
@@ -34,6 +35,7 @@ void check_map(const at::Tensor& code, const char* name, c10::Device device) {
     TORCH_CHECK(k == 0 || c[k - 1] < c[k], kWho, ": expected ", name, " strictly increasing, but code ",
                 num(int64_t{k - 1}), " is not below code ", num(int64_t{k}));
   }
+  return host;
 }
 
 AdamWHyper checked_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
@@ -48,7 +50,7 @@ AdamWHyper checked_hyper(double lr, double beta1, double beta2, double eps, doub
 
 }  // namespace
 
-AdamWHyper checked_8bit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+Checked8bit checked_8bit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                         const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_absmax,
                         const at::Tensor& exp_avg_sq_absmax, const at::Tensor& exp_avg_code,
                         const at::Tensor& exp_avg_sq_code, double lr, double beta1, double beta2, double eps,
@@ -65,11 +67,11 @@ AdamWHyper checked_8bit(const at::Tensor& param, const at::Tensor& grad, const a
   check_tensor(exp_avg_sq, "exp_avg_sq", at::kByte, n, "like param", device);
   check_tensor(exp_avg_absmax, "exp_avg_absmax", at::kFloat, num_blocks(n), "(one a block of 256)", device);
   check_tensor(exp_avg_sq_absmax, "exp_avg_sq_absmax", at::kFloat, num_blocks(n), "(one a block of 256)", device);
-  check_map(exp_avg_code, "exp_avg_code", device);
-  check_map(exp_avg_sq_code, "exp_avg_sq_code", device);
+  at::Tensor code_m = checked_map(exp_avg_code, "exp_avg_code", device);
+  at::Tensor code_v = checked_map(exp_avg_sq_code, "exp_avg_sq_code", device);
   TORCH_CHECK(sr_offset >= 0, kWho, ": expected sr_offset >= 0 (the stream index of the span's element 0), got ",
               num(sr_offset));
-  return checked_hyper(lr, beta1, beta2, eps, weight_decay, step);
+  return {checked_hyper(lr, beta1, beta2, eps, weight_decay, step), std::move(code_m), std::move(code_v)};
 }
 
 void adamw8bit_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -80,17 +82,17 @@ void adamw8bit_step_cpu(const at::Tensor& param, const at::Tensor& grad, const a
                         int64_t sr_offset) {
   TORCH_CHECK(param.device().is_cpu(), kWho, ": expected param on the CPU, got a tensor on ", param.device());
   const int64_t n = param.numel();
-  const AdamWHyper h = checked_8bit(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
-                                    exp_avg_code, exp_avg_sq_code, lr, beta1, beta2, eps, weight_decay, step,
-                                    sr_offset);
+  const Checked8bit ck = checked_8bit(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
+                                      exp_avg_code, exp_avg_sq_code, lr, beta1, beta2, eps, weight_decay, step,
+                                      sr_offset);
   std::optional<SrStream> sr;
   if (sr_seed) sr = SrStream{static_cast<uint64_t>(*sr_seed), static_cast<uint64_t>(sr_stream), sr_offset};
   const EightBitPass pass{reinterpret_cast<uint16_t*>(param.data_ptr()), grad.const_data_ptr(),
                           grad.scalar_type() == at::kFloat ? GradType::kFP32 : GradType::kBF16,
                           exp_avg.data_ptr<uint8_t>(), exp_avg_sq.data_ptr<uint8_t>(),
                           exp_avg_absmax.data_ptr<float>(), exp_avg_sq_absmax.data_ptr<float>(),
-                          exp_avg_code.const_data_ptr<float>(), exp_avg_sq_code.const_data_ptr<float>()};
-  adamw8bit(pass, n, h, *global_pool(), active_simd_level(), sr);
+                          ck.code_m.const_data_ptr<float>(), ck.code_v.const_data_ptr<float>()};
+  adamw8bit(pass, n, ck.hyper, *global_pool(), active_simd_level(), sr);
 }
 
 }  // namespace offload_ext

@@ -16,8 +16,14 @@ namespace offload_ext {
 // exp_avg_code, exp_avg_sq_code (256 increasing fp32 values each); one fp32 absmax of each moment per block of
 // 256 elements. With sr_seed the param is stored by stochastic rounding, drawing elements sr_offset.. of stream
 // (sr_seed, sr_stream).
-// The op's checks, the same on every device (each tensor on param's), and its hyperparameters.
-AdamWHyper checked_8bit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+// The op's checks, the same on every device (each tensor on param's; the maps on it or on the CPU): its
+// hyperparameters and both maps on the CPU.
+struct Checked8bit {
+  AdamWHyper hyper;
+  at::Tensor code_m;
+  at::Tensor code_v;
+};
+Checked8bit checked_8bit(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                         const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_absmax,
                         const at::Tensor& exp_avg_sq_absmax, const at::Tensor& exp_avg_code,
                         const at::Tensor& exp_avg_sq_code, double lr, double beta1, double beta2, double eps,
