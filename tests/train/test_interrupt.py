@@ -1,4 +1,5 @@
-"""Ctrl-C is never lost: one swallowed by a finalizer still ends the run at the next step boundary."""
+"""Ctrl-C is never lost: one swallowed by a finalizer still ends the run at the next step boundary, and the
+process exits with status 130 wherever the key landed."""
 import gc
 import os
 import signal
@@ -51,3 +52,22 @@ with interrupt.recorded():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "stopped at the check\n", done.stderr
     assert done.stderr == ""
+
+
+def test_a_ctrl_c_that_ends_a_string_exec_still_exits_130_under_python_m(tmp_path) -> None:
+    # Under `python -m`, CPython marks a KeyboardInterrupt that ended an exec or eval of a string as unhandled even
+    # when caught, and then kills the process with SIGINT (status -2) whatever sys.exit said: the key landed so
+    # inside namedtuple's eval, in an import the run's first curves drawing began.
+    (tmp_path / "press_in_exec.py").write_text(f"""
+from offload_ext.train import cli
+cli.check_inputs = lambda args: exec("import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(60)")
+cli.main(["--out", {str(tmp_path / "run")!r}, "--device", "cpu"])
+""")
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(interrupt.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_root]))
+    done = subprocess.run([sys.executable, "-m", "press_in_exec"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"offload-train: interrupted before the first complete checkpoint; nothing to resume in {tmp_path / 'run'}: "
+        "start again with --overwrite"]

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         # No traceback: a checkpoint being written when the key came stays a .partial directory, never read.
         print("\n" + interrupted_message(args, sys.argv[1:] if argv is None else list(argv)), file=sys.stderr,
               flush=True)
-        sys.exit(130)
+        interrupt.exit_interrupted()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Ctrl-C that is never lost: Python drops a KeyboardInterrupt raised inside a finalizer (`__del__`), printing it as
 "Exception ignored ... Traceback" on stderr, so a key pressed while one runs would let the run go on to its end.
 The handler also records the key, the loop raises at its next step boundary when the interrupt was swallowed, and
-the dropped KeyboardInterrupt is not printed (the run still ends with its one line)."""
+the dropped KeyboardInterrupt is not printed (the run still ends with its one line), and the process then exits
+with status 130 wherever the key landed."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 _pressed = False
 
@@ -46,3 +49,18 @@ def raise_if_pressed() -> None:
     """KeyboardInterrupt if Ctrl-C came and its exception was swallowed on the way."""
     if _pressed:
         raise KeyboardInterrupt
+
+
+def exit_interrupted() -> NoReturn:
+    """End the process with status 130 (128 + SIGINT), the standard streams flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream holds nothing to keep
+                stream.flush()
+    # Why not sys.exit(130): under `python -m`, CPython (since 3.8) records a KeyboardInterrupt that ended any exec
+    # or eval of a string (namedtuple's eval, say, in an import the key cut short) as unhandled even when caught
+    # later, and once the interpreter is finalized kills the process with SIGINT (status -2) whatever sys.exit said.
+    # Nothing is lost by skipping that finalization: metrics.jsonl was closed as the KeyboardInterrupt unwound (each
+    # row flushed as written), TensorBoard's writer and log handlers flush every record, a checkpoint the key cut
+    # stays .partial, and worker threads hold no result to keep.
+    os._exit(130)
