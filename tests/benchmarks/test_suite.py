@@ -95,3 +95,12 @@ def test_the_auto_row_records_the_layout_it_chose(tmp_path) -> None:
     row = json.loads((tmp_path / "suite_b1" / "auto-plain-r1.json").read_text())["rows"][0]
     # the simulated device has no GPU figure to plan with: none resident, two buffers (auto_layout's fallback)
     assert row["mode"] == "native-bf16-auto" and row["layout"] == {"resident_layers": 0, "device_layers": 2}
+
+
+def test_a_row_s_host_memory_is_what_its_process_plans_with(tmp_path) -> None:
+    # the 8 B 8-bit row is defined at 64 GB of host: its process must plan with that, not the machine's
+    assert {r.key: r.host_gb for r in suite.PRESETS["b2"]}["8bit-clipreal"] == 64.0
+    a = suite.parse(["--preset", "b1", "--device", "cpu", "--warmup", "0", "--steps", "1", "--shape-args", TINY])
+    small = suite.Row("small-host", "b1", "native-bf16-clipreal", host_gb=1e-4)  # 100 kB: the tiny shape needs more
+    got = suite.run_row(small, a, str(tmp_path), 1)
+    assert "MemoryError" in got.get("error", ""), got
