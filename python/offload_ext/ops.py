@@ -162,13 +162,23 @@ def default_num_threads() -> int:
     return native().default_num_threads()
 
 
+# The kernels' ISAs, each a superset of the one before: "avx512vbmi" is AVX-512 with VBMI's byte permutes, which
+# only the 8-bit kernel's decoder uses.
+SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vbmi")
+
+
 def set_simd_level(level: str) -> None:
-    """Choose the kernels' ISA: "scalar", "avx2" or "avx512" (at most what this CPU supports)."""
+    """Choose the kernels' ISA, one of SIMD_LEVELS (at most what this CPU supports)."""
     native().set_simd_level(level)
 
 
 def supported_simd_level() -> str:
     return native().supported_simd_level()
+
+
+def supported_simd_levels() -> tuple[str, ...]:
+    """Every ISA this CPU runs, from "scalar" up to supported_simd_level()."""
+    return SIMD_LEVELS[: SIMD_LEVELS.index(supported_simd_level()) + 1]
 
 
 def _same_numel(who: str, param: torch.Tensor, **others: torch.Tensor | None) -> None:

@@ -13,11 +13,10 @@ from offload_ext.optim import eight_bit
 LRS = [1e-2, 5e-3, 2e-3, 1e-3]
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = [1, 255, 256, 257, 4099, 1 << 20]
-LEVELS = ["scalar", "avx2", "avx512"]
 
 
-def _levels() -> list[str]:
-    return LEVELS[: LEVELS.index(offload_ext.supported_simd_level()) + 1]
+def _levels() -> tuple[str, ...]:
+    return offload_ext.ops.supported_simd_levels()
 
 
 def _problem(n: int, grad_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -120,7 +119,8 @@ _ROWS = 1 << 16  # blocks a call: 255 floats under test and a 1 each
 
 
 @pytest.mark.usefixtures("restore_kernel_settings")
-@pytest.mark.skipif(offload_ext.supported_simd_level() != "avx512", reason="the arithmetic encoder is AVX-512's")
+@pytest.mark.skipif("avx512" not in offload_ext.ops.supported_simd_levels(),
+                    reason="the arithmetic encoder is AVX-512's")
 @pytest.mark.parametrize("kind", ["signed", "unsigned"])
 def test_the_arithmetic_encoder_gives_the_reference_index_of_every_float_in_minus_one_to_one(kind: str) -> None:
     # With beta1 = 0 and lr = 0 the step stores the encoding of the fp32 gradient itself (exp_avg = grad exactly),

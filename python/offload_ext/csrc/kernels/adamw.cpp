@@ -25,7 +25,10 @@ constexpr int64_t kTasksPerThread = 4;         // some slack so a descheduled th
 SimdLevel cpu_simd_level() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return SimdLevel::kAvx512;
+  if (__builtin_cpu_supports("avx512f")) {
+    const bool vbmi = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+    return vbmi ? SimdLevel::kAvx512Vbmi : SimdLevel::kAvx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::kAvx2;
 #endif
   return SimdLevel::kScalar;
@@ -60,7 +63,9 @@ SimdLevel parse_simd_level(const char* name) {
   if (std::strcmp(name, "scalar") == 0) return SimdLevel::kScalar;
   if (std::strcmp(name, "avx2") == 0) return SimdLevel::kAvx2;
   if (std::strcmp(name, "avx512") == 0) return SimdLevel::kAvx512;
-  throw std::invalid_argument(std::string("SIMD level must be one of scalar, avx2, avx512; got '") + name + "'");
+  if (std::strcmp(name, "avx512vbmi") == 0) return SimdLevel::kAvx512Vbmi;
+  throw std::invalid_argument(std::string("SIMD level must be one of scalar, avx2, avx512, avx512vbmi; got '") + name +
+                              "'");
 }
 
 namespace {
@@ -110,6 +115,8 @@ void set_simd_level(SimdLevel level) {
 
 const char* simd_level_name(SimdLevel level) {
   switch (level) {
+    case SimdLevel::kAvx512Vbmi:
+      return "avx512vbmi";
     case SimdLevel::kAvx512:
       return "avx512";
     case SimdLevel::kAvx2:
@@ -146,7 +153,7 @@ namespace {
 // The entry point compiled for `level`.
 template <class Fn>
 Fn* by_level(SimdLevel level, Fn* avx512, Fn* avx2, Fn* scalar) {
-  return level == SimdLevel::kAvx512 ? avx512 : level == SimdLevel::kAvx2 ? avx2 : scalar;
+  return level >= SimdLevel::kAvx512 ? avx512 : level == SimdLevel::kAvx2 ? avx2 : scalar;
 }
 
 template <class T>

@@ -10,7 +10,9 @@
 
 namespace offload_ext {
 
-enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Vbmi: AVX-512 with VBMI's byte permutes (Ice Lake, Zen 4 and later), which only the 8-bit kernel's
+// decoder uses; every other kernel runs its AVX-512 loops there.
+enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vbmi = 3 };
 
 // Highest level this CPU supports.
 SimdLevel supported_simd_level();

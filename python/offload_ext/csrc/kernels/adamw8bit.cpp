@@ -106,6 +106,11 @@ std::shared_ptr<const MapTables> build_tables(const float* code) {
     if (below + 1 < kCodes - 1 && !(t->mid[below + 1] > most)) t->bucketed = false;
   }
   t->linear = build_linear(t->mid);
+  for (int c = 0; c < kCodes; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, code + c, sizeof(bits));
+    for (int k = 0; k < 4; ++k) t->planes[k][c] = static_cast<uint8_t>(bits >> (8 * k));
+  }
   return t;
 }
 
@@ -147,9 +152,10 @@ void adamw8bit(const EightBitPass& pass, int64_t n, const AdamWHyper& h, ThreadP
     t.sr_index = sr->index;
     t.step = h.step;
   }
-  auto blocks = level == SimdLevel::kAvx512 ? adamw8bit_blocks_avx512
-                : level == SimdLevel::kAvx2 ? adamw8bit_blocks_avx2
-                                            : adamw8bit_blocks_scalar;
+  auto blocks = level == SimdLevel::kAvx512Vbmi ? adamw8bit_blocks_avx512vbmi
+                : level == SimdLevel::kAvx512   ? adamw8bit_blocks_avx512
+                : level == SimdLevel::kAvx2     ? adamw8bit_blocks_avx2
+                                                : adamw8bit_blocks_scalar;
   const int64_t total = num_blocks(n);
   const int64_t threads = pool.num_threads();
   if (total < kMinParallelBlocks || threads == 1) {

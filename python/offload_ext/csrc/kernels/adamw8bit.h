@@ -70,9 +70,11 @@ struct LinearEncoder {
 // +inf. `below`: for each bucket of floats sharing their top 16 bits, how many midpoints lie below its least
 // value; where no bucket holds two midpoints (`bucketed`, true of the dynamic maps) an index is that count plus
 // one comparison, the same count the binary search over `mid` finds. `linear`: the AVX-512 encoder's form of it.
+// `planes`: the codes themselves, a byte plane each, which VBMI's byte permutes look up 64 at a time.
 constexpr int kBuckets = 1 << 16;
 struct MapTables {
   float mid[kCodes];
+  uint8_t planes[4][kCodes];  // byte k of each code's bits (least significant first): the VBMI decoder's tables
   uint8_t below[kBuckets + 3];  // read 4 bytes at a time (32-bit gathers): 3 past the last
   bool bucketed;
   LinearEncoder linear;
@@ -101,6 +103,7 @@ void adamw8bit(const EightBitPass& pass, int64_t n, const AdamWHyper& h, ThreadP
 OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(scalar)
 OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(avx2)
 OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(avx512)
+OFFLOAD_EXT_DECLARE_8BIT_BLOCKS(avx512vbmi)
 #undef OFFLOAD_EXT_DECLARE_8BIT_BLOCKS
 
 }  // namespace offload_ext

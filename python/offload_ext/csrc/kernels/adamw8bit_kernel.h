@@ -50,18 +50,30 @@ inline typename V::I bucketed_code(const MapTables& t, typename V::F x) {
   return V::where_nan(q, x, kCodes - 1);
 }
 
-// Elements [i, end) of the block at element `at`, as many whole vectors as fit: decode (from `in`), update, store
-// the param (kParts permitting), keep the moments in m, v (indexed from the block's start) and their largest
-// magnitudes' bits in max_m, max_v. `counter` is stochastic rounding's hash input of element i.
-template <class V, bool kSR, int kGrad, int kParts, class G>
+// A moment of elements e.. (i.. of the block): code[q] * absmax, decoded here or (kDecoded) already in `decoded`.
+template <class V, bool kDecoded>
+inline typename V::F moment_at(const float* decoded, const float* code, const uint8_t* q, float absmax, int64_t i,
+                               int64_t e) {
+  if constexpr (kDecoded) {
+    return V::load_f32(decoded + i);
+  } else {
+    return V::mul(V::lookup256(code, V::load_u8(q + e)), V::set1(absmax));
+  }
+}
+
+// Elements [i, end) of the block at element `at`, as many whole vectors as fit: decode (from `in`, unless
+// kDecoded: m and v hold the decoded moments), update, store the param (kParts permitting), keep the moments in m,
+// v (indexed from the block's start) and their largest magnitudes' bits in max_m, max_v. `counter` is stochastic
+// rounding's hash input of element i.
+template <class V, bool kDecoded, bool kSR, int kGrad, int kParts, class G>
 inline int64_t update_loop(const EightBitPass& a, const EightBitState& in, const G* grad, int64_t at, int64_t i,
                            int64_t end, uint32_t counter, float absmax_m, float absmax_v, float* m, float* v,
                            typename V::I& max_m, typename V::I& max_v, const AdamWCoef& c) {
   for (; i + V::W <= end; i += V::W, counter += V::W) {
     const int64_t e = at + i;
     auto P = V::load_bf16(in.param + e);
-    auto M = V::mul(V::lookup256(a.exp_avg_code, V::load_u8(in.exp_avg + e)), V::set1(absmax_m));
-    auto S = V::mul(V::lookup256(a.exp_avg_sq_code, V::load_u8(in.exp_avg_sq + e)), V::set1(absmax_v));
+    auto M = moment_at<V, kDecoded>(m, a.exp_avg_code, in.exp_avg, absmax_m, i, e);
+    auto S = moment_at<V, kDecoded>(v, a.exp_avg_sq_code, in.exp_avg_sq, absmax_v, i, e);
     adamw_update<V>(P, grad_at<V, kGrad>(grad, a, e), M, S, c);
     if constexpr (stores_param(kParts)) {
       if (kSR) {
@@ -97,10 +109,22 @@ template <class V, bool kSR, int kGrad, int kParts, class G>
 inline void update_range(const EightBitPass& a, const EightBitState& in, const G* grad, int64_t at, int64_t i,
                          int64_t end, uint32_t counter, float absmax_m, float absmax_v, BlockMoments<V>& out,
                          const AdamWCoef& c) {
-  const int64_t j = update_loop<V, kSR, kGrad, kParts>(a, in, grad, at, i, end, counter, absmax_m, absmax_v, out.m,
-                                                       out.v, out.max_m, out.max_v, c);
-  update_loop<ScalarVec, kSR, kGrad, kParts>(a, in, grad, at, j, end, counter + static_cast<uint32_t>(j - i),
-                                             absmax_m, absmax_v, out.m, out.v, out.tail_max_m, out.tail_max_v, c);
+  constexpr bool kDecoded = V::kByteDecode;
+  const int64_t j = update_loop<V, kDecoded, kSR, kGrad, kParts>(a, in, grad, at, i, end, counter, absmax_m,
+                                                                 absmax_v, out.m, out.v, out.max_m, out.max_v, c);
+  update_loop<ScalarVec, kDecoded, kSR, kGrad, kParts>(a, in, grad, at, j, end,
+                                                       counter + static_cast<uint32_t>(j - i), absmax_m, absmax_v,
+                                                       out.m, out.v, out.tail_max_m, out.tail_max_v, c);
+}
+
+// A block's n moments decoded into `out`: 64 at a time by V's byte decoder, the rest one by one (the same
+// product, code[q] * absmax).
+template <class V>
+inline void decode_block(const uint8_t* q, int64_t n, const MapTables& t, const float* code, float absmax,
+                         float* out) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) V::decode64(q + i, t.planes, absmax, out + i);
+  for (; i < n; ++i) out[i] = code[q[i]] * absmax;
 }
 
 // The largest of V's lanes and `tail`.
@@ -178,6 +202,10 @@ inline void step_block(const EightBitPass& a, const EightBitState& in, const G* 
   out.max_m = out.max_v = V::iset1(0);
   out.tail_max_m = out.tail_max_v = 0;
   const float absmax_m = in.exp_avg_absmax[b], absmax_v = in.exp_avg_sq_absmax[b];
+  if constexpr (V::kByteDecode) {
+    decode_block<V>(in.exp_avg + at, len, *t.exp_avg, a.exp_avg_code, absmax_m, out.m);
+    decode_block<V>(in.exp_avg_sq + at, len, *t.exp_avg_sq, a.exp_avg_sq_code, absmax_v, out.v);
+  }
   const int64_t cut = kSR ? same_key(t.sr_index + at, len) : len;
   update_range<V, kSR, kGrad, kParts>(a, in, grad, at, 0, cut, kSR ? sr_counter(t, t.sr_index + at) : 0, absmax_m,
                                       absmax_v, out, c);

@@ -80,6 +80,7 @@ struct Avx2Vec {
   }
   static I abs_bits(F x) { return _mm256_and_si256(_mm256_castps_si256(x), iset1(0x7fffffffu)); }
   static constexpr bool kLinearEncode = false;
+  static constexpr bool kByteDecode = false;
   static I imax(I a, I b) { return _mm256_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
   static void store_i(uint32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static void fence() { _mm_sfence(); }

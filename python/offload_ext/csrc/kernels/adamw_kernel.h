@@ -62,6 +62,7 @@ struct ScalarVec {
   static I abs_bits(F x) { return float_bits(x) & 0x7fffffffu; }
   static I imax(I a, I b) { return a > b ? a : b; }
   static constexpr bool kLinearEncode = false;
+  static constexpr bool kByteDecode = false;
   static void store_i(uint32_t* p, I x) { *p = x; }
   // Float64 sums of squares, in two accumulators of lanes (one lane each here).
   using D = double;
