@@ -6,9 +6,10 @@ reaches them.
 
 A unit's redo reads the state before its speculative step (params, both moments) and its kept gradient,
 copies them in on a side stream, steps them with adamw_step's CUDA kernel (the host kernel's bits: see
-adamw_cuda.cu) and copies the result back into the buffers its speculative step had made live ("mixed":
-the fp32 master and moments, and the bf16 params the next forward copies). The next
-forward's copy of that layer, and the unit's next gradient copy, wait for that (wait()). On the simulated
+adamw_cuda.cu; in the 8-bit precisions adamw8bit_step's, with the moments' absmaxes) and copies the result back
+into the buffers its speculative step had made live ("mixed": the fp32 master and moments, and the bf16 params the
+next forward copies). The next forward's copy of that layer, and the unit's next gradient copy, wait for that
+(wait()). On the simulated
 device the same path runs with the CPU kernel and plain copies."""
 from __future__ import annotations
 
