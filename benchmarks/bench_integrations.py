@@ -27,11 +27,11 @@ import torch
 
 import _common
 
-MODES = ("offloader", "trainer", "offloader-noclip", "per-layer")
-# Each integration against the Offloader's own loop on its recipe: the drop-in clips nothing (the hook offloader
-# has no max_grad_norm), so its peer is the loop without clipping.
+# Each mode, in its order, with the Offloader loop of its recipe it is compared with: the drop-in clips nothing
+# (the hook offloader has no max_grad_norm), so its peer is the loop without clipping.
 PEER = {"offloader": "offloader", "trainer": "offloader", "offloader-noclip": "offloader-noclip",
         "per-layer": "offloader-noclip"}
+MODES = tuple(PEER)
 
 
 def _config(tiny: bool):

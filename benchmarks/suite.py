@@ -82,35 +82,31 @@ def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
     return rows
 
 
-def _auto(shape: str, recipes: list[str], cap: float | None) -> list[Row]:
-    """The engine with the layout it chooses itself (bench_train's auto), against resident-lean of each recipe."""
-    return [Row(f"auto-{recipe or 'plain'}", shape, f"native-bf16-auto{f'-{recipe}' if recipe else ''}",
+def _layouts(name: str, layout: str, shape: str, recipes: list[str], cap: float | None) -> list[Row]:
+    """The engine laid out by bench_train's `layout` suffix for each recipe, against resident-lean of the recipe."""
+    return [Row(f"{name}-{recipe or 'plain'}", shape, f"native-bf16-{layout}{f'-{recipe}' if recipe else ''}",
                 f"resident-{recipe or 'plain'}", cap) for recipe in recipes]
 
 
 B1_RECIPES = ["", "clipreal", "clipall", "accum2", "accum4"]
 AUTO_RECIPES = ["", "clipreal", "accum2", "accum4"]
-
-
-def _handpicked(recipes: list[str]) -> list[Row]:
-    """B1's best hand-picked layout of the earlier runs (12 of 16 layers resident, a buffer for each streamed one:
-    d16-r12, run 52) for each recipe, against resident-lean: what the auto rows must come within 3 % of."""
-    return [Row(f"handpicked-{recipe or 'plain'}", "b1", f"native-bf16-d16-r12{f'-{recipe}' if recipe else ''}",
-                f"resident-{recipe or 'plain'}") for recipe in recipes]
+# B1's best hand-picked layout of the earlier runs: 12 of 16 layers resident, a buffer for each streamed one (run
+# 52); the `auto` rows (the layout the engine chooses itself) must come within 3 % of it
+HANDPICKED = "d16-r12"
 PRESETS: dict[str, list[Row]] = {
     "b1": [*_pairs("b1", B1_RECIPES, None),
            Row("mixed", "b1", "native-mixed", "resident-plain"),
            Row("compiled-resident", "b1", "resident-lean", compile=True),
            Row("compiled", "b1", "native-bf16", "compiled-resident", compile=True),
-           *_auto("b1", AUTO_RECIPES, None),
-           *_handpicked(AUTO_RECIPES),
+           *_layouts("auto", "auto", "b1", AUTO_RECIPES, None),
+           *_layouts("handpicked", HANDPICKED, "b1", AUTO_RECIPES, None),
            *_peers("b1", None, zero2=True)],
     "b2": [*_pairs("b2", B1_RECIPES, CAP_GB),
            Row("mixed", "b2", "native-mixed", "resident-plain", CAP_GB),
            # issue 38's 8 B point: 8-bit moments (params rounded stochastically) against bf16's, clip 1.0, in the
            # 64 GB of host a workstation has (speculation gets what is left: 15 of 32 units)
            Row("8bit-clipreal", "b2", "native-8bitsr-clipreal", "clipreal", CAP_GB, host_gb=64.0),
-           *_auto("b2", AUTO_RECIPES, CAP_GB),
+           *_layouts("auto", "auto", "b2", AUTO_RECIPES, CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
     # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward
