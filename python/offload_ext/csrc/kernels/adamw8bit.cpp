@@ -42,7 +42,7 @@ bool bucket_bounds(uint32_t key, float& least, float& most) {
 // The dynamic maps' LinearEncoder of midpoints `mid`, usable if they fit it: P (the non-negative ones) holds the
 // midpoint above 0, then for each decimal exponent e = 0 .. 6 the n0 * 2^e - 1 between its codes and the one
 // above its last (n0 = 1 signed, 2 unsigned: 1 + 127 * n0 in all); those are the anchors, the inner ones sit
-// near fma(x, slope, offset) = rank + 1 as the codes' formula puts them.
+// near fma(x, slope, offset) = base + rank + 1 as the codes' formula puts them.
 LinearEncoder build_linear(const float* mid) {
   constexpr int kDecades = 7;
   constexpr int kSegments = kDecades + 2;
@@ -57,23 +57,23 @@ LinearEncoder build_linear(const float* mid) {
   }
   const int n0 = (positive - 1) / ((1 << kDecades) - 1);
   l.zero = zero;
-  for (int s = 0; s < 16; ++s) {  // below the first anchor and past the last: no run, pos(a) = 0.5 for any a
+  for (int s = 0; s < 16; ++s) {  // below the first anchor and past the last: no run, pos(a) = count + 0.5
+    const int count = s == 0 ? 0 : positive;
     l.anchor[s] = INFINITY;
     l.slope[s] = 0.0f;
-    l.offset[s] = 0.5f;
-    l.base[s] = l.top[s] = s == 0 ? 0 : positive;
+    l.offset[s] = l.limit[s] = static_cast<float>(count) + 0.5f;
   }
   int at = 0;  // P's index of anchor e
   for (int e = 0; e < kDecades; ++e) {
-    const int n = n0 << e, s = e + 1;
+    const int n = n0 << e, s = e + 1, base = at + 1;
     l.anchor[e] = p[at];
     l.slope[s] = static_cast<float>(std::pow(10.0, kDecades - 1 - e) * n / 0.9);
-    l.offset[s] = static_cast<float>(-n / 9.0);
-    l.base[s] = at + 1;
-    l.top[s] = at + n;
+    l.offset[s] = static_cast<float>(base - n / 9.0);
+    l.limit[s] = static_cast<float>(at + n) + 0.5f;
+    if (!(std::fma(p[at], l.slope[s], l.offset[s]) >= static_cast<float>(base) - kLinearMargin)) return l;
     for (int r = 0; r + 1 < n; ++r) {
       const float pos = std::fma(p[at + 1 + r], l.slope[s], l.offset[s]);
-      if (!(std::fabs(pos - static_cast<float>(r + 1)) < kLinearMargin)) return l;
+      if (!(std::fabs(pos - static_cast<float>(base + r + 1)) < kLinearMargin)) return l;
     }
     at += n;
   }

@@ -45,14 +45,15 @@ struct EightBitPass {
 
 // The AVX-512 encoder's arithmetic form of a map whose midpoints are the dynamic maps' (eight_bit.py): those of
 // negative x the negatives of those of positive x, and the non-negative ones P cut by 8 "anchors" into 9
-// segments, each a linear run: in segment s a midpoint of rank r within it lies where pos(x) = fma(x, slope[s],
-// offset[s]) is near r + 1. The count of P below a magnitude a is then base[s] + min(floor(pos(a)), top[s] -
-// base[s]), which is exact wherever pos(a) is at least kLinearMargin from an integer: pos is monotone and each
-// midpoint's pos lies within kLinearMargin of its integer (build_linear checks this, the argument's only
-// premise, for every midpoint). The rarer rest is searched. An x's segment is #anchors below it: that of the
-// least float of its binade (segment_of_binade, its exponent clamped to 32 values) or one more, each binade
-// holding at most one anchor. A map that does not fit (usable false; the op takes any increasing map) keeps the
-// bucket table or the search, as the other ISAs do.
+// segments, each a linear run: in segment s the midpoint of rank r within it lies where pos(x) = fma(x, slope[s],
+// offset[s]) is near base[s] + r + 1, base[s] the count of P up to the segment's lower anchor (folded into
+// offset). The count of P below a magnitude a is then floor(min(pos(a), limit[s])), limit[s] being the
+// segment's last count plus a half; it is exact wherever pos(a) is at least kLinearMargin from an integer: pos
+// is monotone, each midpoint's pos lies within kLinearMargin of its integer, and the lower anchor's at least
+// base[s] - kLinearMargin (build_linear checks both, the argument's only premises). The rarer rest is searched.
+// An x's segment is #anchors below it: that of the least float of its binade (segment_of_binade, its exponent
+// clamped to 32 values) or one more, each binade holding at most one anchor. A map that does not fit (usable
+// false; the op takes any increasing map) keeps the bucket table or the search, as the other ISAs do.
 constexpr float kLinearMargin = 1.0f / 4096;
 constexpr int kLinearBinade0 = 104;  // the exponent field of binade 0; those below and above clamp to 0 and 31
 struct LinearEncoder {
@@ -62,8 +63,7 @@ struct LinearEncoder {
   int32_t segment_of_binade[32];
   float slope[16];
   float offset[16];
-  int32_t base[16];
-  int32_t top[16];
+  float limit[16];
 };
 
 // What the encoder reads of one map. `mid`: the 255 midpoints between neighbouring codes (its thresholds), then

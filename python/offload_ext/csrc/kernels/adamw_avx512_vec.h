@@ -91,11 +91,12 @@ struct Avx512Vec {
   static constexpr bool kLinearEncode = true;
   static constexpr bool kByteDecode = false;  // adamw8bit_avx512vbmi.cpp's vector type: true
   static I linear_code(const LinearEncoder& l, F x, uint32_t& searched) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
+    // A float compare: a NaN goes the way of a positive x past every anchor, to code kCodes - 1 as the rule's
+    // search finds it (zero + #P), and -0 the way of +0, to the same code.
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     // A negative x counts the p <= |x|, i.e. those below the float after |x| (the midpoints below x are the
-    // negatives of the others); infinities become the largest float, which no anchor reaches either, so that
-    // pos stays finite.
+    // negatives of the others); infinities and NaNs become the largest float, which no anchor reaches either, so
+    // that pos stays finite.
     const __m512i above = _mm512_mask_add_epi32(abs_bits(x), negative, abs_bits(x), iset1(1));
     const __m512 a = _mm512_castsi512_ps(_mm512_min_epi32(above, iset1(0x7f7fffffu)));
     const __m512i binade = _mm512_min_epi32(
@@ -106,17 +107,14 @@ struct Avx512Vec {
                                           _mm512_loadu_si512(l.segment_of_binade + 16));
     const __m512 anchor = _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.anchor));
     s = _mm512_mask_add_epi32(s, _mm512_cmp_ps_mask(anchor, a, _CMP_LT_OQ), s, iset1(1));
-    const __m512 pos = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.slope)),
-                                       _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.offset)));
-    const __m512i base = _mm512_permutexvar_epi32(s, _mm512_loadu_si512(l.base));
-    const __m512i count = _mm512_min_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(pos), base),
-                                           _mm512_permutexvar_epi32(s, _mm512_loadu_si512(l.top)));
+    const __m512 pos = _mm512_min_ps(_mm512_fmadd_ps(a, _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.slope)),
+                                                     _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.offset))),
+                                     _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.limit)));
+    const __m512i count = _mm512_cvttps_epi32(pos);
     const __m512 off = _mm512_sub_ps(pos, _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     searched = _mm512_cmp_ps_mask(_mm512_abs_ps(off), set1(kLinearMargin), _CMP_LT_OQ);
     const __m512i zero = iset1(static_cast<uint32_t>(l.zero));
-    const __m512i q = _mm512_mask_blend_epi32(negative, _mm512_add_epi32(zero, count),
-                                              _mm512_max_epi32(_mm512_sub_epi32(zero, count), _mm512_setzero_si512()));
-    return where_nan(q, x, kCodes - 1);
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(zero, count), negative, zero, _mm512_min_epi32(count, zero));
   }
   static void fence() { _mm_sfence(); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
