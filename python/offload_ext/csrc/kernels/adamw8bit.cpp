@@ -85,7 +85,7 @@ LinearEncoder build_linear(const float* mid) {
   }
   for (int c = 0; c < 32; ++c) {
     const float least = c == 0 ? 0.0f : float_of_bits(static_cast<uint32_t>(kLinearBinade0 + c) << 23);
-    l.segment_of_binade[c] = static_cast<int32_t>(std::lower_bound(l.anchor, l.anchor + kSegments - 1, least) - l.anchor);
+    l.segment_of_exponent[(kLinearBinade0 + c) % 32] = static_cast<int32_t>(std::lower_bound(l.anchor, l.anchor + kSegments - 1, least) - l.anchor);
   }
   l.usable = true;
   return l;

@@ -51,8 +51,8 @@ struct EightBitPass {
 // segment's last count plus a half; it is exact wherever pos(a) is at least kLinearMargin from an integer: pos
 // is monotone, each midpoint's pos lies within kLinearMargin of its integer, and the lower anchor's at least
 // base[s] - kLinearMargin (build_linear checks both, the argument's only premises). The rarer rest is searched.
-// An x's segment is #anchors below it: that of the least float of its binade (segment_of_binade, its exponent
-// clamped to 32 values) or one more, each binade holding at most one anchor. A map that does not fit (usable
+// An x's segment is #anchors below it: that of the least float of its binade (segment_of_exponent, by its
+// exponent clamped to 32 values, modulo 32) or one more, each binade holding at most one anchor. A map that does not fit (usable
 // false; the op takes any increasing map) keeps the bucket table or the search, as the other ISAs do.
 constexpr float kLinearMargin = 1.0f / 4096;
 constexpr int kLinearBinade0 = 104;  // the exponent field of binade 0; those below and above clamp to 0 and 31
@@ -60,7 +60,7 @@ struct LinearEncoder {
   bool usable;
   int32_t zero;  // the midpoints below 0 (their count of negative x's codes), each the negative of one of P
   float anchor[16];  // segment s starts above anchor[s - 1]; past the 8 anchors +inf
-  int32_t segment_of_binade[32];
+  int32_t segment_of_exponent[32];  // binade c (exponent field kLinearBinade0 + c) at (kLinearBinade0 + c) % 32
   float slope[16];
   float offset[16];
   float limit[16];

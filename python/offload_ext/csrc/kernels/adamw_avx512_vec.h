@@ -95,16 +95,15 @@ struct Avx512Vec {
     // search finds it (zero + #P), and -0 the way of +0, to the same code.
     const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     // A negative x counts the p <= |x|, i.e. those below the float after |x| (the midpoints below x are the
-    // negatives of the others); infinities and NaNs become the largest float, which no anchor reaches either, so
-    // that pos stays finite.
+    // negatives of the others). Infinities and NaNs fall in the last binade, past every anchor, where the slope is
+    // 0: their pos is a NaN, and the min below (a NaN in its first operand gives its second) makes it the limit.
     const __m512i above = _mm512_mask_add_epi32(abs_bits(x), negative, abs_bits(x), iset1(1));
-    const __m512 a = _mm512_castsi512_ps(_mm512_min_epi32(above, iset1(0x7f7fffffu)));
-    const __m512i binade = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_sub_epi32(shr<23>(_mm512_castps_si512(a)), iset1(kLinearBinade0)),
-                         _mm512_setzero_si512()),
-        iset1(31));
-    __m512i s = _mm512_permutex2var_epi32(_mm512_loadu_si512(l.segment_of_binade), binade,
-                                          _mm512_loadu_si512(l.segment_of_binade + 16));
+    const __m512 a = _mm512_castsi512_ps(above);
+    // The binade's exponent clamped to the 32 of the table, which the permute reads modulo 32.
+    const __m512i binade = shr<23>(_mm512_min_epi32(_mm512_max_epi32(above, iset1(kLinearBinade0 << 23)),
+                                                    iset1(((kLinearBinade0 + 32) << 23) - 1)));
+    __m512i s = _mm512_permutex2var_epi32(_mm512_loadu_si512(l.segment_of_exponent), binade,
+                                          _mm512_loadu_si512(l.segment_of_exponent + 16));
     const __m512 anchor = _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.anchor));
     s = _mm512_mask_add_epi32(s, _mm512_cmp_ps_mask(anchor, a, _CMP_LT_OQ), s, iset1(1));
     const __m512 pos = _mm512_min_ps(_mm512_fmadd_ps(a, _mm512_permutexvar_ps(s, _mm512_loadu_ps(l.slope)),
