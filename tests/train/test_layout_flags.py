@@ -8,7 +8,7 @@ import os
 import pytest
 
 from offload_ext.train import cli as train
-from offload_ext.train import prior_run
+from offload_ext.train import machine, prior_run
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "3", "--batch-size", "2", "--seq-len", "16"]
 
@@ -67,3 +67,18 @@ def test_auto_without_the_engine_is_refused_before_the_model_is_built(tmp_path, 
     assert exc.value.code == 2
     assert "--resident-layers and --device-layers auto lay out the offload engine: --backend none" in \
         capsys.readouterr().err
+
+
+def test_the_engine_on_a_gpu_lays_itself_out_by_default_and_every_other_run_keeps_the_fixed_layout(capsys) -> None:
+    train.main(["--dry-run", "--device", "cuda", "--gpu-memory", "24GB", "--host-memory", "125GB", "--model",
+                "llama-8b", "--batch-size", "2", "--seq-len", "4096"])  # no layout flag
+    assert any(x.startswith("offload-train: layout --resident-layers ") for x in capsys.readouterr().out.splitlines())
+    for argv, on_gpu in ((["--backend", "none"], True), (["--fsdp"], True), ([], False)):
+        args = train.parse_args(argv)
+        args.backend = args.backend or "native"
+        machine.apply_defaults(args, on_gpu)
+        assert (args.resident_layers, args.device_layers) == (0, 2), argv
+    args = train.parse_args(["--device-layers", "4"])
+    args.backend = "native"
+    machine.apply_defaults(args, True)
+    assert (args.resident_layers, args.device_layers) == ("auto", 4)  # a flag given stays as given

@@ -79,13 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=None, help="default 8 on a GPU, 4 on a CPU")
     ap.add_argument("--seq-len", type=int, default=None, help="default 512 on a GPU, 64 on a CPU")
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--resident-layers", type=_count_or_auto, default=0, metavar="N|auto",
-                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload); auto: as many "
-                         "as the memory plan of the batch fits on this GPU, the layout printed with its reason")
-    ap.add_argument("--device-layers", type=_count_or_auto, default=2, metavar="N|auto",
+    ap.add_argument("--resident-layers", type=_count_or_auto, default=None, metavar="N|auto",
+                    help="keep the lowest N layers of each stack on the GPU, stepped there (offload); auto (the "
+                         "default on a GPU; 0 elsewhere): as many as the memory plan of the batch fits on this GPU, "
+                         "the layout printed with its reason")
+    ap.add_argument("--device-layers", type=_count_or_auto, default=None, metavar="N|auto",
                     help="layer buffers on the GPU per stack (offload): with one per layer the weights stay there "
-                         "between a step's micro-batches instead of streaming twice in each; auto: one per streamed "
-                         "layer when the plan fits them, after the resident layers")
+                         "between a step's micro-batches instead of streaming twice in each; auto (the default on a "
+                         "GPU; 2 elsewhere): one per streamed layer when the plan fits them, after the resident layers")
     ap.add_argument("--accumulate-on", choices=("auto", "device", "host"), default="auto",
                     help="where --grad-accum's micro-batches are summed (offload): on the GPU, one gradient copy "
                          "per layer and step, or on the host; auto: the GPU when the sums fit a quarter of its "

@@ -45,7 +45,7 @@ def check_fsdp_args(args: argparse.Namespace) -> None:
     if eight_bit(args.precision):
         raise UsageError(f"--fsdp: --precision {args.precision}: CPUAdamW keeps 8-bit moments for plain tensors, "
                          "not FSDP2's sharded ones; use --precision bf16, bf16-sr or mixed with --fsdp")
-    if args.device_layers != 2:
+    if args.device_layers not in (None, 2):
         raise UsageError("--device-layers is an option of the single-GPU engine; drop it with --fsdp")
 
 

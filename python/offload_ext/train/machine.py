@@ -75,6 +75,11 @@ def apply_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
         args.warmup_steps = max(1, args.steps // 20)
     if args.lr is None:  # the small built-ins learn fast; 3e-3 made a random 8 B model diverge at once
         args.lr = 3e-3 if args.model in SMALL_BUILTINS else 3e-4
+    # the engine lays itself out on a GPU; elsewhere (no GPU memory to plan with, or no engine) the fixed layout
+    engine_on_gpu = on_gpu and args.backend != "none" and not args.fsdp
+    for name, fixed in (("resident_layers", 0), ("device_layers", 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, "auto" if engine_on_gpu else fixed)
 
 
 def check_loss_chunk(args: argparse.Namespace) -> None:
