@@ -1,9 +1,9 @@
-"""The README's performance table, generated from result files (never typed by hand).
+"""The README's performance table, generated from the suite's result files (never typed by hand).
 
-Each row is one mode of one results JSON (`benchmarks/results/<date>_<commit>/*.json`, written by
-`_common.write_results`): the step time and its ratio to the strongest GPU-resident row of the same file and
-recipe, with the file's date, commit and machine. `--write README.md` replaces the text between the table's
-markers; tests/test_readme_table.py checks the README holds exactly what this prints.
+Each row is one row of a `benchmarks/suite.py` results JSON (`benchmarks/results/<date>_<commit>/suite_*.json`):
+its median step, the ratio to the peer it was measured beside in each round, GPU cap, GPU peak and host RSS peak,
+with the file's date, commit and machine. `--write README.md` replaces the text between the table's markers;
+tests/docs/test_readme_table.py checks the README holds exactly what this prints.
 """
 from __future__ import annotations
 
@@ -16,47 +16,50 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_table.py) -->", "<!-- perf-table:end -->"
 
-B1_LEAN = "2026-12-04_b4177b1/train_b1_clip_paired.json"  # the newest B1 file with the lean resident baseline
-B1 = "2026-12-05_f4b4aa0/train_b1_clip_paired.json"
-B2 = "2026-12-04_7725c3f/train_b2.json"
-# (what the row is, results file, mode, the resident mode of the same file it is compared with): default settings
-# only (no hand-picked layout), so each row is what a user gets.
+RUN = "2026-12-05_8666325"
+B1, B1_ACCUM, B1_PEERS = f"{RUN}/suite_b1.json", f"{RUN}/suite_b1-2.json", f"{RUN}/suite_b1-3.json"
+B2, B2_PEERS = f"{RUN}/suite_b2.json", f"{RUN}/suite_b2-2.json"
+SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)"}
+# (what the row is, results file, row key): the offloaded rows run the layout offload-train chooses by default
+# (`auto`: the rows of these files keyed auto-*), the peers beside the Offloader in that call
 ROWS = [
-    ("Llama-3.2-1B shape", B1_LEAN, "native-bf16", "resident-lean"),
-    ("Llama-3.2-1B shape, resident with HF's torch checkpoint", B1, "native-bf16", "resident"),
-    ("Llama-3.1-8B shape, max_grad_norm never reached", B2, "native-bf16-clip", "resident-clip"),
-    ("Llama-3.1-8B shape, clipping every step", B2, "native-bf16-clipall", "resident-clip"),
+    ("plain", B1, "auto-plain"),
+    ("clip 1.0 on a real run", B1, "auto-clipreal"),
+    ("2 micro-batches", B1_ACCUM, "auto-accum2"),
+    ("4 micro-batches", B1_ACCUM, "auto-accum4"),
+    ("clip 1.0 on a real run", B2, "auto-clipreal"),
+    ("8-bit moments in a 64 GB host, clip 1.0", B2, "8bit-clipreal"),
+    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B1_PEERS, "deepspeed-tuned"),
+    ("DeepSpeed ZeRO-2 optimizer offload, tuned, clip 1.0", B1_PEERS, "deepspeed2-tuned"),
+    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B2_PEERS, "deepspeed-tuned"),
 ]
-
-
-def _recipe(args: dict) -> str:
-    """The run's shape and recipe, from the arguments the results file keeps."""
-    cap = f", offloaded GPU capped at {args['gpu_cap_gb']:g} GB" if args.get("gpu_cap_gb") else ""
-    return (f"{args['layers']} layers x {args['hidden']}, {args['batch']} x {args['seq']} tokens, "
-            f"{args['steps']} timed steps{cap}")
 
 
 def _gb(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _row(what: str, path: str, mode: str, baseline: str) -> str:
+def _row(what: str, path: str, key: str) -> str:
     with open(os.path.join(HERE, "results", path)) as f:
         result = json.load(f)
-    rows = {r["mode"]: r for r in result["rows"]}
-    ours, ref = rows[mode], rows[baseline]
+    rows = {r["key"]: r for r in result["rows"]}
+    ours = rows[key]
+    peer = rows[ours["peer"]]
+    cap = (f"{ours['cap_gb']:g} GB" if ours["cap_gb"] else "none") + (
+        f", host {ours['host_gb']:g} GB" if ours.get("host_gb") else "")
+    ratios = ", ".join(f"{x:.3f}x" for x in ours["round_ratio"])
     machine = result["machine"]
-    ratio = ours["step_s"] / ref["step_s"]
-    return (f"| {what}: {_recipe(result['args'])} | "
-            f"`{mode}` {ours['step_s']:.3f} s, {_gb(ours.get('gpu_peak_gb'))} GB | "
-            f"`{baseline}` {ref['step_s']:.3f} s, {_gb(ref.get('gpu_peak_gb'))} GB | {ratio:.3f}x | "
+    return (f"| {SHAPES[ours['shape']]}, {what} | `{ours['mode']}`: {ours['step_s']:.3f} s | {cap} | "
+            f"`{peer['mode']}`: {peer['step_s']:.3f} s | {ratios} | {_gb(ours['gpu_peak_gb'])} / "
+            f"{_gb(peer['gpu_peak_gb'])} | {_gb(ours['host_rss_peak_gb'])} / {_gb(peer['host_rss_peak_gb'])} | "
             f"{result['date'][:10]}, {result['commit']}, {machine.get('gpu') or 'CPU'} "
             f"({machine.get('usable_cpus', '?')}-core host) | [{os.path.basename(path)}](benchmarks/results/{path}) |")
 
 
 def table() -> str:
-    head = ("| recipe | offloaded, defaults: step, GPU peak | GPU-resident: step, GPU peak | time vs resident | "
-            "date, commit, machine | result |\n|---|---|---|---:|---|---|")
+    head = ("| recipe | row: median step | GPU cap | beside: median step | time vs beside, each round | "
+            "GPU peak GB (row / beside) | host RSS peak GB (row / beside) | date, commit, machine | result |\n"
+            "|---|---|---|---|---:|---|---|---|---|")
     return "\n".join([head, *(_row(*r) for r in ROWS)])
 
 

@@ -42,7 +42,7 @@ def test_a_row_brings_its_peer_and_each_round_runs_each_row_in_a_process_of_its_
 def test_both_sides_train_the_same_real_text_under_clip_one(measured) -> None:
     rows = {r["key"]: r for r in measured[1]["rows"]}
     ours, peer = rows["clipreal"]["rounds"][0], rows["resident-clipreal"]["rounds"][0]
-    assert ours["args"]["data"] == "embedded" and ours["mode"] == "native-bf16-clipreal"
+    assert ours["args"]["data"] == "embedded" and ours["mode"] == "native-bf16-auto-clipreal"
     # bf16 on both sides, one step's rounding apart at most: the first loss is the same batch's
     assert ours["losses"][0] == pytest.approx(peer["losses"][0], rel=1e-2)
 
@@ -56,7 +56,7 @@ def test_a_marked_table_is_regenerated_from_the_file_its_marker_names(measured, 
     suite.write_tables(["docs/perf.md"])
     text = doc.read_text()
     assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
-    assert "[suite_b1.json](../suite_b1.json)" in text and "| clipreal | `native-bf16-clipreal` | none |" in text
+    assert "[suite_b1.json](../suite_b1.json)" in text and "| clipreal | `native-bf16-auto-clipreal` | none |" in text
     assert suite.rewrite(text, "docs") == text  # regenerating again changes nothing
 
 
@@ -79,20 +79,20 @@ def test_an_fsdp_row_runs_under_torchrun_with_its_peers(tmp_path) -> None:
 
 
 def test_a_row_past_its_time_is_killed_and_its_row_says_so(tmp_path) -> None:
-    done = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "auto-plain",
+    done = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "plain",
                            "--rounds", "1", "--steps", "1", "--warmup", "0", "--row-timeout", "0.5", "--device", "cpu",
                            "--shape-args", TINY, "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = {r["key"]: r for r in json.loads((tmp_path / "suite_b1.json").read_text())["rows"]}
-    assert list(rows) == ["resident-plain", "auto-plain"]
+    assert list(rows) == ["resident-plain", "plain"]
     assert all(r["error"] == "killed after --row-timeout 0.5 s" for r in rows.values())
 
 
-def test_the_auto_row_records_the_layout_it_chose(tmp_path) -> None:
-    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "auto-plain", "--rounds", "1",
+def test_the_default_row_records_the_layout_the_engine_chose(tmp_path) -> None:
+    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "plain", "--rounds", "1",
                     "--steps", "1", "--warmup", "0", "--device", "cpu", "--shape-args", TINY, "--out", str(tmp_path)],
                    check=True, capture_output=True, cwd=tmp_path)
-    row = json.loads((tmp_path / "suite_b1" / "auto-plain-r1.json").read_text())["rows"][0]
+    row = json.loads((tmp_path / "suite_b1" / "plain-r1.json").read_text())["rows"][0]
     # the simulated device has no GPU figure to plan with: none resident, two buffers (auto_layout's fallback)
     assert row["mode"] == "native-bf16-auto" and row["layout"] == {"resident_layers": 0, "device_layers": 2}
 
