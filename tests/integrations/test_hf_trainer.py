@@ -160,3 +160,45 @@ def test_trls_sft_trainer_with_the_mixin_trains_as_without_offload(tmp_path) -> 
     # The same chat-templated tokens, forward and backward on the same bf16 weights, torch's AdamW rule: the same
     # losses, every one.
     assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def _gpu(gb: str):
+    from offload_ext.planning.plan import machine
+    return machine("cuda", host_memory="64GB", gpu_memory=gb)  # a GPU of that size, planned for on any machine
+
+
+def test_on_a_gpu_the_trainer_plans_its_layout_for_its_micro_batch_as_offload_train_does(tmp_path) -> None:
+    from offload_ext.config import OffloadConfig
+    from offload_ext.integrations.hf_trainer import trainer_layout
+    model, args = tiny_llama(layers=3).bfloat16(), _args(tmp_path)
+    roomy = trainer_layout(model, args, OffloadConfig(device="cuda"), 16, _gpu("80GB"))
+    # every layer but one resident (a stack keeps one streamed), planned for 2 x 16 tokens
+    assert (roomy.resident_layers, roomy.device_layers) == (2, 2) and "batch 2 x 16" in roomy.reason
+    cramped = trainer_layout(model, args, OffloadConfig(device="cuda"), 16, _gpu("0.5GB"))
+    assert cramped.resident_layers == 0 and "over" in cramped.reason  # the CUDA context alone fills it
+
+
+def test_the_trainer_takes_trl_s_max_length_and_a_layout_named_in_offload_config_as_given(tmp_path) -> None:
+    from offload_ext.config import OffloadConfig
+    from offload_ext.integrations.hf_trainer import trainer_layout
+    model, args = tiny_llama(layers=3).bfloat16(), _args(tmp_path)
+    args.max_length = 24  # TRL's SFTConfig field
+    assert "batch 2 x 24" in trainer_layout(model, args, OffloadConfig(device="cuda"), None, _gpu("80GB")).reason
+    named = OffloadConfig().replace(device="cuda", resident_layers=1)
+    assert trainer_layout(model, args, named, None, _gpu("80GB")) is None
+
+
+def test_without_a_sequence_length_the_trainer_warns_and_keeps_the_fixed_layout(tmp_path) -> None:
+    from offload_ext.config import OffloadConfig
+    from offload_ext.integrations.hf_trainer import trainer_layout
+    with pytest.warns(UserWarning, match="pass seq_len="):
+        got = trainer_layout(tiny_llama(layers=3).bfloat16(), _args(tmp_path), OffloadConfig(device="cuda"), None,
+                             _gpu("80GB"))
+    assert got is None
+
+
+def test_on_the_simulated_device_the_trainer_keeps_the_fixed_layout(tmp_path) -> None:
+    model = tiny_llama(layers=3).bfloat16()
+    trainer = OffloadTrainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(), seq_len=16)
+    assert trainer.layout_choice is None and trainer.offloader.layout.resident == ()
+    trainer.offloader.close()

@@ -10,10 +10,14 @@ Trainer's steps change, each for a reason the Offloader owns:
 - checkpoints: the weights are written from where they live (Offloader.save_pretrained), the optimizer state with
   save_state/load_state (the host buffers never copied whole into memory), and resume_from_checkpoint reads both;
 - device placement: the Offloader placed the model; Trainer must not move it.
+On a GPU the layout (resident layers, device buffers) is chosen from the memory plan of a micro-batch, as
+offload-train's default `auto` chooses it, unless offload_config names one.
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -22,24 +26,39 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from offload_ext.config import OffloadConfig
 from offload_ext.engine.offloader import Offloader
+from offload_ext.planning.auto_layout import LayoutChoice, choose_layout
+from offload_ext.planning.choices import Settings
+from offload_ext.planning.memory import Machine
+from offload_ext.planning.param_groups import build_groups
+from offload_ext.planning.plan import machine as this_machine
 
 _NO_DECAY = ("bias", "norm")  # Trainer's rule: biases and LayerNorm/RMSNorm weights take no weight decay
+_FIXED = OffloadConfig().tuning  # the Offloader's own layout: an offload_config naming another is taken as given
+logger = logging.getLogger(__name__)
 
 
 class OffloadTrainerMixin:
     """Put before a Trainer class: its optimizer becomes an Offloader. `offload_config` sets what
     TrainingArguments does not (precision, activation checkpointing, tuning); the device is TrainingArguments'
-    (its `cpu` is the simulated device)."""
+    (its `cpu` is the simulated device). `seq_len`: the longest sequence of a micro-batch, which the layout is
+    planned for (default: TRL's `max_length` where the arguments have one); `layout_choice` says what was chosen."""
 
     def __init__(self, model: torch.nn.Module, args: Any, *trainer_args: Any,
-                 offload_config: OffloadConfig | None = None, **kwargs: Any) -> None:
+                 offload_config: OffloadConfig | None = None, seq_len: int | None = None, **kwargs: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError("OffloadTrainer: pass the model itself (e.g. AutoModelForCausalLM.from_pretrained(...) "
                             f"in bf16), not {type(model).__name__}: the Offloader takes it apart before training")
         if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
             raise ValueError("OffloadTrainer: the Offloader is the optimizer; pass no optimizers= or "
                              "optimizer_cls_and_kwargs= (its learning rate and betas come from TrainingArguments)")
-        self.offloader = _offloader(model, args, offload_config)
+        config = _device_config(args, offload_config)
+        self.layout_choice = trainer_layout(model, args, config, seq_len, this_machine(config.device, model=model))
+        if self.layout_choice is not None:
+            logger.info("OffloadTrainer: layout resident_layers=%d, device_layers=%d (%s)",
+                        self.layout_choice.resident_layers, self.layout_choice.device_layers, self.layout_choice.reason)
+            config = config.replace(resident_layers=self.layout_choice.resident_layers,
+                                    device_layers=self.layout_choice.device_layers)
+        self.offloader = _offloader(model, args, config)
         kwargs["optimizers"] = (self.offloader, kwargs.get("optimizers", (None, None))[1])
         super().__init__(model, args, *trainer_args, **kwargs)
 
@@ -83,8 +102,8 @@ class OffloadTrainer(OffloadTrainerMixin, Trainer):
     """`Trainer` whose optimizer is an Offloader (see OffloadTrainerMixin)."""
 
 
-def _offloader(model: torch.nn.Module, args: Any, config: OffloadConfig | None) -> Offloader:
-    """The Offloader TrainingArguments describe, on top of `config`."""
+def _device_config(args: Any, config: OffloadConfig | None) -> OffloadConfig:
+    """`config` (or the defaults) with what TrainingArguments set: the device, accumulation and clipping."""
     if args.max_grad_norm is not None and args.max_grad_norm < 0:
         raise ValueError(f"OffloadTrainer: max_grad_norm={args.max_grad_norm}: use 0 (or None) for no clipping")
     if args.optim not in ("adamw_torch", "adamw_torch_fused"):
@@ -92,7 +111,33 @@ def _offloader(model: torch.nn.Module, args: Any, config: OffloadConfig | None) 
                          "optim='adamw_torch' (or 'adamw_torch_fused')")
     device = "cpu" if args.device.type == "cpu" else str(args.device)
     base = config if config is not None else OffloadConfig()
-    offload = base.replace(device=device, grad_accum=args.gradient_accumulation_steps,
-                           max_grad_norm=args.max_grad_norm or None)
+    return base.replace(device=device, grad_accum=args.gradient_accumulation_steps,
+                        max_grad_norm=args.max_grad_norm or None)
+
+
+def trainer_layout(model: torch.nn.Module, args: Any, config: OffloadConfig, seq_len: int | None,
+                   machine: Machine) -> LayoutChoice | None:
+    """The layout for Trainer's micro-batch (per_device_train_batch_size x `seq_len`, its loss over all logits at
+    once as transformers computes it) on `machine`, as offload-train's `auto` plans it; None where `config` names a
+    layout of its own or there is no GPU to plan for. Without a sequence length it warns and keeps the fixed one."""
+    if (config.tuning.resident_layers, config.tuning.device_layers) != (_FIXED.resident_layers, _FIXED.device_layers):
+        return None
+    if not machine.cuda:
+        return None
+    seq_len = seq_len or getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    if seq_len is None:
+        warnings.warn("OffloadTrainer: no sequence length to plan the GPU layout with: pass seq_len= (the longest "
+                      "sequence of a micro-batch); the fixed layout (no resident layers, 2 device buffers) is used",
+                      stacklevel=3)
+        return None
+    tokens = args.per_device_train_batch_size * seq_len
+    settings = Settings(config, batch_size=args.per_device_train_batch_size, seq_len=seq_len,
+                        loss_chunk_tokens=tokens, loss_kernel="torch")
+    _, group_of = build_groups(model, None, _NO_DECAY)
+    return choose_layout(model, settings, machine, group_of)
+
+
+def _offloader(model: torch.nn.Module, args: Any, config: OffloadConfig) -> Offloader:
+    """The Offloader TrainingArguments describe, on `config` (_device_config's)."""
     return Offloader(model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                     weight_decay=args.weight_decay, no_decay=_NO_DECAY, config=offload)
+                     weight_decay=args.weight_decay, no_decay=_NO_DECAY, config=config)
