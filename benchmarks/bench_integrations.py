@@ -6,10 +6,13 @@
 - `trainer`: OffloadTrainer (transformers' Trainer, its compute_loss the same causal_lm_loss), clip 1.0;
 - `offloader-noclip`: the Offloader's loop without clipping;
 - `per-layer`: PerLayerOffloadWithBackwardGradient's loop, as written for the hook offloader (which has no
-  clipping).
+  clipping);
+- `offloader-auto`, `trainer-auto`: the first two with the GPU layout the Trainer chooses by default when given
+  its micro-batch's length (`seq_len`), both sides the same layout (`hf_trainer.trainer_layout`), clip 1.0.
 
 Each row: the median step time over the timed steps (after the warm-up), tokens/s and its ratio to the
-Offloader's loop on the same recipe (`offloader` for the Trainer, `offloader-noclip` for the drop-in).
+Offloader's loop on the same recipe (`offloader` for the Trainer, `offloader-noclip` for the drop-in,
+`offloader-auto` for `trainer-auto`).
 
     python benchmarks/bench_integrations.py [--steps 10] [--warmup 3] [--device cuda] [--tiny]
 """
@@ -30,8 +33,9 @@ import _common
 # Each mode, in its order, with the Offloader loop of its recipe it is compared with: the drop-in clips nothing
 # (the hook offloader has no max_grad_norm), so its peer is the loop without clipping.
 PEER = {"offloader": "offloader", "trainer": "offloader", "offloader-noclip": "offloader-noclip",
-        "per-layer": "offloader-noclip"}
+        "per-layer": "offloader-noclip", "offloader-auto": "offloader-auto", "trainer-auto": "offloader-auto"}
 MODES = tuple(PEER)
+LAYOUT: dict[str, int] = {}  # the layout the running mode chose (auto modes), for its row
 
 
 def _config(tiny: bool):
@@ -67,12 +71,35 @@ def _timed(step, batches: list[torch.Tensor], device: str) -> list[float]:
     return times
 
 
-def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor], max_grad_norm: float | None = 1.0
-                   ) -> list[float]:
+def _training_args(a: argparse.Namespace, steps: int):
+    """The Trainer's arguments of every trainer mode (and of the layout the auto modes share)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir="/tmp/bench_integrations", per_device_train_batch_size=a.batch,
+                             max_steps=steps, learning_rate=1e-4, weight_decay=0.0, lr_scheduler_type="constant",
+                             max_grad_norm=1.0, logging_steps=10**6, save_strategy="no", report_to=[],
+                             use_cpu=a.device == "cpu", optim="adamw_torch_fused", dataloader_drop_last=True)
+
+
+def _chosen_layout(a: argparse.Namespace, model: torch.nn.Module) -> dict[str, int]:
+    """The layout OffloadTrainer chooses for this micro-batch (none on the simulated device: the fixed one)."""
+    from offload_ext.config import OffloadConfig
+    from offload_ext.integrations.hf_trainer import trainer_layout
+    from offload_ext.planning.plan import machine
+
+    config = OffloadConfig().replace(device=a.device)
+    choice = trainer_layout(model, _training_args(a, 1), config, a.seq, machine(a.device, model=model))
+    return {} if choice is None else dict(resident_layers=choice.resident_layers, device_layers=choice.device_layers)
+
+
+def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor], max_grad_norm: float | None = 1.0,
+                   auto: bool = False) -> list[float]:
     import offload_ext
 
     model = _model(a.tiny)
-    off = offload_ext.Offloader(model, lr=1e-4, device=a.device, max_grad_norm=max_grad_norm)
+    layout = _chosen_layout(a, model) if auto else {}
+    LAYOUT.update(layout)
+    off = offload_ext.Offloader(model, lr=1e-4, device=a.device, max_grad_norm=max_grad_norm, **layout)
 
     def step(x: torch.Tensor) -> None:
         offload_ext.causal_lm_loss(model, x).backward()
@@ -99,8 +126,8 @@ def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[f
     return _timed(step, batches, a.device)
 
 
-def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
-    from transformers import TrainerCallback, TrainingArguments
+def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool = False) -> list[float]:
+    from transformers import TrainerCallback
 
     import offload_ext
     from offload_ext.integrations.hf_trainer import OffloadTrainer
@@ -128,11 +155,11 @@ def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[flo
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
 
-    args = TrainingArguments(output_dir="/tmp/bench_integrations", per_device_train_batch_size=batches[0].shape[0],
-                             max_steps=len(batches), learning_rate=1e-4, weight_decay=0.0, lr_scheduler_type="constant",
-                             max_grad_norm=1.0, logging_steps=10**6, save_strategy="no", report_to=[],
-                             use_cpu=a.device == "cpu", optim="adamw_torch_fused", dataloader_drop_last=True)
-    trainer = ChunkedLoss(model=_model(a.tiny), args=args, train_dataset=Rows(), callbacks=[Stamp()])
+    trainer = ChunkedLoss(model=_model(a.tiny), args=_training_args(a, len(batches)), train_dataset=Rows(),
+                          callbacks=[Stamp()], seq_len=a.seq if auto else None)
+    if trainer.layout_choice is not None:
+        LAYOUT.update(resident_layers=trainer.layout_choice.resident_layers,
+                      device_layers=trainer.layout_choice.device_layers)
     trainer.train()
     return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])]
 
@@ -141,10 +168,12 @@ def _child(a: argparse.Namespace) -> None:
     cfg = _config(a.tiny)
     batches = _batches(a.warmup + a.steps, a.batch, a.seq, cfg.vocab_size)
     run = {"offloader": _run_offloader, "trainer": _run_trainer, "per-layer": _run_per_layer,
-           "offloader-noclip": functools.partial(_run_offloader, max_grad_norm=None)}[a.child]
+           "offloader-noclip": functools.partial(_run_offloader, max_grad_norm=None),
+           "offloader-auto": functools.partial(_run_offloader, auto=True),
+           "trainer-auto": functools.partial(_run_trainer, auto=True)}[a.child]
     times = run(a, batches)[a.warmup:]
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
-    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak,
+    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak, "layout": LAYOUT or None,
                       "host_peak_gb": _common._proc_kb("/proc/self/status", "VmHWM") / 1e6}))
 
 

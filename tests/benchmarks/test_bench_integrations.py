@@ -14,7 +14,8 @@ def test_every_mode_runs_and_is_compared_with_the_offloaders_loop(tmp_path) -> N
     subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1",
                     "--batch", "2", "--seq", "16", "--stem", str(tmp_path / "r")], check=True, capture_output=True)
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["offloader", "trainer", "offloader-noclip", "per-layer"]
+    assert [r["mode"] for r in rows] == ["offloader", "trainer", "offloader-noclip", "per-layer", "offloader-auto",
+                                         "trainer-auto"]
     assert all(len(r["step_times_s"]) == 3 and r["tokens_per_s"] > 0 for r in rows)
     table = (tmp_path / "r.md").read_text()
     # each integration beside the Offloader's loop on its own recipe: the drop-in has no clipping
