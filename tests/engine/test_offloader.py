@@ -471,9 +471,10 @@ def test_host_steps_at_the_lowest_priority_train_clipping_and_accumulation_exact
 def test_eager_uploads_off_keeps_each_copy_at_the_next_forward_and_trains_exactly() -> None:
     stats = _accum2_trained_exactly(device_layers=4, eager_uploads=False)
     assert stats["early_layer_copies"] == 0
-    # two steps: the first forward's four, then each layer once after the first step (at the next forward),
-    # and layer 0 prefetched again after the second
-    assert stats["layer_copies_h2d"] == 4 + 4 + 1
+    # two steps: the first forward's four, then each layer once after the first step (at the next forward), and
+    # layer 0 prefetched again after the second if its host step has ended by then (else its next bind loads it:
+    # the host thread's timing decides, 1 run in ~15 under load)
+    assert stats["layer_copies_h2d"] in (4 + 4, 4 + 4 + 1)
 
 
 def test_no_layer_goes_up_before_the_next_forward_where_clipping_may_redo_its_step() -> None:
@@ -1163,3 +1164,12 @@ def test_a_layer_parameter_outside_the_loss_is_named_in_steps_error(backend) -> 
     off.backward(model(torch.randn(2, 16).bfloat16()).float().pow(2).mean())
     with pytest.raises(RuntimeError, match=r"got gradients for only 2 of its 4 .*blocks\.\d\.unused\.weight"):
         off.step()
+
+
+def test_a_batch_shape_on_the_simulated_device_keeps_the_fixed_layout_and_a_bad_one_is_refused() -> None:
+    model = tiny_llama(layers=3)
+    with pytest.raises(ValueError, match=r"batch_shape must be \(batch_size, seq_len\), two ints >= 1"):
+        offload_ext.Offloader(model, device="cpu", batch_shape=(2,))
+    off = offload_ext.Offloader(model, device="cpu", batch_shape=(2, 16))
+    assert off.layout_choice is None and off.layout.resident == ()  # no GPU to plan for
+    off.close()

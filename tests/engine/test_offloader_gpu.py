@@ -338,3 +338,15 @@ def test_inputs_held_on_the_host_match_gpu_resident_training_and_leave_the_gpu()
     for ours, theirs in zip(losses, ref):
         assert abs(ours - theirs) <= 0.02 * abs(theirs) + 0.02, (losses, ref)
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_given_its_micro_batch_the_offloader_lays_itself_out_as_offload_train_does() -> None:
+    model = small_llama().bfloat16()
+    off = offload_ext.Offloader(model, lr=1e-3, device="cuda", batch_shape=(4, 64))
+    # a small model on a large GPU: every layer but one resident, planned for 4 x 64 tokens
+    assert off.layout_choice.resident_layers == 3 and "batch 4 x 64" in off.layout_choice.reason
+    assert len(off.layout.resident) == 3
+    x = repeating_batches(1)[0].cuda()
+    offload_ext.causal_lm_loss(model, x).backward()
+    off.step()
+    off.close()

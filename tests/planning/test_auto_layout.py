@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload_ext
 from offload_ext.config import OffloadConfig
-from offload_ext.planning.auto_layout import HEADROOM, choose_layout
+from offload_ext.planning.auto_layout import HEADROOM, choose_layout, planned_layout
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.memory import evaluate
 from offload_ext.planning.plan import machine
@@ -64,3 +64,11 @@ def test_a_gpu_too_small_for_the_stream_and_the_simulated_device_get_the_plain_l
     sim = choose_layout(model, Settings(OffloadConfig(device="cpu"), batch_size=2, seq_len=4096),
                         machine("cpu", host_memory="125GB"))
     assert (sim.resident_layers, sim.device_layers) == (0, 2) and "no GPU memory figure" in sim.reason
+
+
+def test_a_config_that_names_a_layout_or_the_simulated_device_is_left_as_it_is(model) -> None:
+    gpu = machine("cuda", host_memory="125GB", gpu_memory="24GB")
+    assert planned_layout(model, _settings(), gpu) == choose_layout(model, _settings(), gpu)
+    assert planned_layout(model, _settings(resident_layers=1), gpu) is None
+    assert planned_layout(model, _settings(device_layers=4), gpu) is None
+    assert planned_layout(model, _settings(), machine("cpu", host_memory="125GB")) is None

@@ -43,10 +43,12 @@ from offload_ext.engine.timeline import Timeline, span
 from offload_ext.engine.wiring import LayerWiring
 from offload_ext.models.weight_source import WeightSource, check_materialized, materialize
 from offload_ext.optim.device_optimizer import DeviceOptimizer
+from offload_ext.planning.auto_layout import LayoutChoice, planned_layout
 from offload_ext.planning.choices import Settings, check_checkpointing, checkpointed_count, choose
-from offload_ext.planning.layout import Layout
+from offload_ext.planning.layout import GroupOf, Layout
 from offload_ext.planning.param_groups import HYPER_KEYS, build_groups
 from offload_ext.planning.plan import check_device_memory
+from offload_ext.planning.plan import machine as plan_machine
 
 
 class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
@@ -57,9 +59,12 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
 
     `lr`, `betas`, `eps`, `weight_decay` are AdamW's; `groups` (param-group specs) and `no_decay` (name
     patterns kept out of weight decay) build the param groups; `weights` is where meta parameters get their
-    values. `config` (an OffloadConfig) is everything else; any of its fields, or of its EngineTuning, may
-    instead be given by name as a keyword (`Offloader(model, precision="mixed", device="cpu")`): they are
-    applied on top of `config`, and an unknown name is refused. See docs/api.md for every field.
+    values. `batch_shape` (batch_size, seq_len): on a GPU, the micro-batch of causal_lm_loss whose memory plan
+    chooses the layout (resident layers, device buffers) as offload-train's default does, unless the config names
+    one (`layout_choice` keeps the choice and its reason). `config` (an OffloadConfig) is everything else; any of
+    its fields, or of its EngineTuning, may instead be given by name as a keyword (`Offloader(model,
+    precision="mixed", device="cpu")`): they are applied on top of `config`, and an unknown name is refused. See
+    docs/api.md for every field.
 
     With max_grad_norm the global norm is clipped as torch.nn.utils.clip_grad_norm_ does; a non-finite norm
     raises FloatingPointError as clip_grad_norm_(error_if_nonfinite=True) does, never an unscaled step, and
@@ -80,12 +85,18 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
         groups: Sequence[dict[str, Any]] | None = None,
         no_decay: Sequence[str] = (),
         weights: WeightSource | None = None,
+        batch_shape: tuple[int, int] | None = None,
         **options: Any,
     ) -> None:
         cfg = OffloadConfig.from_options(config, **options)  # raises on an unknown or out-of-range option
-        t = cfg.tuning
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         specs, group_of = build_groups(model, groups, no_decay)
+        # the layout offload-train chooses by default, planned for the micro-batch the caller names
+        self.layout_choice = _planned(model, cfg, batch_shape, group_of)
+        if self.layout_choice is not None:
+            cfg = cfg.replace(resident_layers=self.layout_choice.resident_layers,
+                              device_layers=self.layout_choice.device_layers)
+        t = cfg.tuning
         for spec in specs:
             check_hyper(**(defaults | {k: v for k, v in spec.items() if k != "params"}))
         if not any(p.requires_grad for p in model.parameters()):
@@ -354,3 +365,18 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()  # it drains the host steps first, whatever failed
+
+
+def _planned(model: nn.Module, cfg: OffloadConfig, batch_shape: tuple[int, int] | None,
+             group_of: GroupOf) -> LayoutChoice | None:
+    """The GPU layout for micro-batches of `batch_shape` (batch_size, seq_len) with causal_lm_loss, where `cfg`
+    leaves it to the engine (planning.auto_layout.planned_layout); None without a batch_shape."""
+    if batch_shape is None:
+        return None
+    if (not isinstance(batch_shape, tuple) or len(batch_shape) != 2
+            or not all(type(n) is int and n >= 1 for n in batch_shape)):
+        raise ValueError(f"Offloader: batch_shape must be (batch_size, seq_len), two ints >= 1 (the micro-batch the "
+                         f"GPU layout is planned for), got {batch_shape!r}")
+    device = resolve_device(cfg.device)
+    settings = Settings(cfg, batch_size=batch_shape[0], seq_len=batch_shape[1])
+    return planned_layout(model, settings, plan_machine(device, model=model), group_of)

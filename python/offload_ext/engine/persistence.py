@@ -26,7 +26,7 @@ from offload_ext.models.weights import from_config_empty, from_pretrained_empty
 if TYPE_CHECKING:
     from offload_ext.engine.offloader import Offloader
 
-_OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay")
+_CONSTRUCTOR_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay", "batch_shape")
 _STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
 
 
@@ -99,7 +99,7 @@ class StateIO:
         """An Offloader over a fresh causal LM of a transformers config: built on the meta device, each
         module's weights drawn by the model's own init rule straight into the host buffers and the device,
         the model never whole on the CPU. `seed` fixes the draw; keyword arguments are the constructor's."""
-        optimizer = {k: kwargs.pop(k) for k in _OPTIMIZER_ARGS if k in kwargs}
+        optimizer = {k: kwargs.pop(k) for k in _CONSTRUCTOR_ARGS if k in kwargs}
         cfg = OffloadConfig.from_options(config, **kwargs)
         # Drawn on the training device: a GPU draws an 8 B model's parameters in seconds, the CPU in minutes.
         model, weights = from_config_empty(model_config, seed=seed, device=resolve_device(cfg.device))

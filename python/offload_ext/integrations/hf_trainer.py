@@ -26,14 +26,13 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from offload_ext.config import OffloadConfig
 from offload_ext.engine.offloader import Offloader
-from offload_ext.planning.auto_layout import LayoutChoice, choose_layout
+from offload_ext.planning.auto_layout import LayoutChoice, leaves_layout, planned_layout
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.memory import Machine
 from offload_ext.planning.param_groups import build_groups
 from offload_ext.planning.plan import machine as this_machine
 
 _NO_DECAY = ("bias", "norm")  # Trainer's rule: biases and LayerNorm/RMSNorm weights take no weight decay
-_FIXED = OffloadConfig().tuning  # the Offloader's own layout: an offload_config naming another is taken as given
 logger = logging.getLogger(__name__)
 
 
@@ -120,9 +119,7 @@ def trainer_layout(model: torch.nn.Module, args: Any, config: OffloadConfig, seq
     """The layout for Trainer's micro-batch (per_device_train_batch_size x `seq_len`, its loss over all logits at
     once as transformers computes it) on `machine`, as offload-train's `auto` plans it; None where `config` names a
     layout of its own or there is no GPU to plan for. Without a sequence length it warns and keeps the fixed one."""
-    if (config.tuning.resident_layers, config.tuning.device_layers) != (_FIXED.resident_layers, _FIXED.device_layers):
-        return None
-    if not machine.cuda:
+    if not machine.cuda or not leaves_layout(config):
         return None
     seq_len = seq_len or getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
     if seq_len is None:
@@ -130,11 +127,10 @@ def trainer_layout(model: torch.nn.Module, args: Any, config: OffloadConfig, seq
                       "sequence of a micro-batch); the fixed layout (no resident layers, 2 device buffers) is used",
                       stacklevel=3)
         return None
-    tokens = args.per_device_train_batch_size * seq_len
     settings = Settings(config, batch_size=args.per_device_train_batch_size, seq_len=seq_len,
-                        loss_chunk_tokens=tokens, loss_kernel="torch")
+                        loss_chunk_tokens=args.per_device_train_batch_size * seq_len, loss_kernel="torch")
     _, group_of = build_groups(model, None, _NO_DECAY)
-    return choose_layout(model, settings, machine, group_of)
+    return planned_layout(model, settings, machine, group_of)
 
 
 def _offloader(model: torch.nn.Module, args: Any, config: OffloadConfig) -> Offloader:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from offload_ext.config import OffloadConfig
 from offload_ext.models.stacks import find_layer_stacks
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.layout import GroupOf
@@ -67,3 +68,19 @@ def choose_layout(model: nn.Module, settings: Settings, machine: Machine, group_
     return LayoutChoice(low, buffers, f"the plan at {batch}: {used / _GB:.1f} GB of the {budget / _GB:.1f} GB "
                                       f"it may use ({HEADROOM:.0%} of the GPU's {machine.gpu_available / _GB:.1f} GB "
                                       "available kept free)")
+
+
+def leaves_layout(config: OffloadConfig) -> bool:
+    """Whether `config` leaves the layout to the engine: resident layers and device buffers at the Offloader's
+    own values (a config naming others is taken as given)."""
+    t, fixed = config.tuning, OffloadConfig().tuning
+    return (t.resident_layers, t.device_layers) == (fixed.resident_layers, fixed.device_layers)
+
+
+def planned_layout(model: nn.Module, settings: Settings, machine: Machine,
+                   group_of: GroupOf = lambda p: 0) -> LayoutChoice | None:
+    """choose_layout for a run whose config leaves the layout to the engine, on a GPU; None where the config
+    names one or there is no GPU to plan for (the simulated device keeps the fixed layout)."""
+    if not machine.cuda or not leaves_layout(settings.config):
+        return None
+    return choose_layout(model, settings, machine, group_of)
