@@ -12,6 +12,15 @@ import offload_ext
 from offload_ext import EngineTuning, OffloadConfig
 from offload_ext.train.errors import UsageError
 from offload_ext.train.flags import offload_config, parse_args
+from offload_ext.train.machine import apply_defaults
+
+
+def _cpu_args(argv: list[str]):
+    """offload-train's arguments as its CLI completes them on a machine without a GPU (the native engine)."""
+    args = parse_args(argv)
+    args.backend = "native"
+    apply_defaults(args, on_gpu=False)
+    return args
 
 CONFIGS = (OffloadConfig, EngineTuning)
 
@@ -108,10 +117,9 @@ def test_the_offloader_keeps_the_config_it_was_built_from() -> None:
 
 
 def test_the_command_line_builds_the_same_config_as_the_api() -> None:
-    args = parse_args(["--precision", "mixed", "--grad-accum", "2", "--max-grad-norm", "1.0", "--device-layers", "3",
-                       "--accumulate-on", "host", "--gpu-memory-budget", "2GB", "--seed", "7",
-                       "--tuning", "num_threads=2,device_redo_layers=0,pin_threads=false,async_step=auto"])
-    args.backend = "native"
+    args = _cpu_args(["--precision", "mixed", "--grad-accum", "2", "--max-grad-norm", "1.0", "--device-layers", "3",
+                      "--accumulate-on", "host", "--gpu-memory-budget", "2GB", "--seed", "7",
+                      "--tuning", "num_threads=2,device_redo_layers=0,pin_threads=false,async_step=auto"])
     got = offload_config(args, torch.device("cpu"))
     want = OffloadConfig(precision="mixed", device=torch.device("cpu"), grad_accum=2, max_grad_norm=1.0,
                          gpu_memory_budget=2 * 10**9, sr_seed=7,
@@ -121,8 +129,7 @@ def test_the_command_line_builds_the_same_config_as_the_api() -> None:
 
 
 def test_a_bad_tuning_flag_is_one_line_naming_the_field() -> None:
-    args = parse_args(["--tuning", "num_threads=0"])
-    args.backend = "native"
+    args = _cpu_args(["--tuning", "num_threads=0"])
     with pytest.raises(UsageError, match=r"EngineTuning\.num_threads must be None or an int >= 1, got 0"):
         offload_config(args, torch.device("cpu"))
     with pytest.raises(SystemExit):
