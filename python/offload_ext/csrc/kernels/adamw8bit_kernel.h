@@ -154,14 +154,15 @@ inline void encode_loop(const float* x, int64_t n, uint32_t absmax_bits, const M
 }
 
 // encode_loop by the map's LinearEncoder: no table lookups but in the rare lanes it leaves to the search.
-template <class V>
+template <class V, bool kNonNegative>
 inline void linear_encode_loop(const float* x, int64_t n, uint32_t absmax_bits, const MapTables& t, uint8_t* q) {
   const float absmax = float_of_bits(absmax_bits);
   const float scale = absmax == 0.0f ? 0.0f : 1.0f / absmax;
   int64_t i = 0;
   for (; i + V::W <= n; i += V::W) {
     uint32_t searched;
-    V::store_u8(q + i, V::linear_code(t.linear, V::mul(V::load_f32(x + i), V::set1(scale)), searched));
+    V::store_u8(q + i, V::template linear_code<kNonNegative>(t.linear, V::mul(V::load_f32(x + i), V::set1(scale)),
+                                                             searched));
     for (; searched != 0; searched &= searched - 1) {
       const int64_t at = i + __builtin_ctz(searched);
       q[at] = static_cast<uint8_t>(searched_code<ScalarVec>(t.mid, x[at] * scale));
@@ -173,7 +174,10 @@ inline void linear_encode_loop(const float* x, int64_t n, uint32_t absmax_bits, 
 template <class V>
 inline void encode_block(const float* x, int64_t n, uint32_t absmax_bits, const MapTables& t, uint8_t* q) {
   if constexpr (V::kLinearEncode) {
-    if (t.linear.usable) return linear_encode_loop<V>(x, n, absmax_bits, t, q);
+    if (t.linear.usable) {
+      return t.linear.zero == 0 ? linear_encode_loop<V, true>(x, n, absmax_bits, t, q)
+                                : linear_encode_loop<V, false>(x, n, absmax_bits, t, q);
+    }
   }
   t.bucketed ? encode_loop<V, true>(x, n, absmax_bits, t, q) : encode_loop<V, false>(x, n, absmax_bits, t, q);
 }

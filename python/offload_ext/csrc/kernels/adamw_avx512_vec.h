@@ -90,6 +90,8 @@ struct Avx512Vec {
   // pos lies too near an integer to tell.
   static constexpr bool kLinearEncode = true;
   static constexpr bool kByteDecode = false;  // adamw8bit_avx512vbmi.cpp's vector type: true
+  // kNonNegative: a map with no midpoint below 0 (l.zero == 0, exp_avg_sq's), where every negative x takes code 0.
+  template <bool kNonNegative>
   static I linear_code(const LinearEncoder& l, F x, uint32_t& searched) {
     // A float compare: a NaN goes the way of a positive x past every anchor, to code kCodes - 1 as the rule's
     // search finds it (zero + #P), and -0 the way of +0, to the same code.
@@ -97,7 +99,7 @@ struct Avx512Vec {
     // A negative x counts the p <= |x|, i.e. those below the float after |x| (the midpoints below x are the
     // negatives of the others). Infinities and NaNs fall in the last binade, past every anchor, where the slope is
     // 0: their pos is a NaN, and the min below (a NaN in its first operand gives its second) makes it the limit.
-    const __m512i above = _mm512_mask_add_epi32(abs_bits(x), negative, abs_bits(x), iset1(1));
+    const __m512i above = kNonNegative ? abs_bits(x) : _mm512_mask_add_epi32(abs_bits(x), negative, abs_bits(x), iset1(1));
     const __m512 a = _mm512_castsi512_ps(above);
     // The binade's exponent clamped to the 32 of the table, which the permute reads modulo 32.
     const __m512i binade = shr<23>(_mm512_min_epi32(_mm512_max_epi32(above, iset1(kLinearBinade0 << 23)),
@@ -112,6 +114,10 @@ struct Avx512Vec {
     const __m512i count = _mm512_cvttps_epi32(pos);
     const __m512 off = _mm512_sub_ps(pos, _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     searched = _mm512_cmp_ps_mask(_mm512_abs_ps(off), set1(kLinearMargin), _CMP_LT_OQ);
+    if constexpr (kNonNegative) {
+      searched &= static_cast<uint32_t>(static_cast<__mmask16>(~negative));
+      return _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), count);
+    }
     const __m512i zero = iset1(static_cast<uint32_t>(l.zero));
     return _mm512_mask_sub_epi32(_mm512_add_epi32(zero, count), negative, zero, _mm512_min_epi32(count, zero));
   }
