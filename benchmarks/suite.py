@@ -106,6 +106,11 @@ PRESETS: dict[str, list[Row]] = {
            # issue 38's 8 B point: 8-bit moments (params rounded stochastically) against bf16's, clip 1.0, in the
            # 64 GB of host a workstation has (speculation gets what is left)
            Row("8bit-clipreal", "b2", "native-8bitsr-auto-clipreal", "clipreal", CAP_GB, host_gb=64.0),
+           # hand-picked against the default on B2: the chosen layout with half of each stack's clipped redo on the
+           # device instead of a third (B2 clips every step on the embedded corpus: the host redo delays the next
+           # forward), and with none
+           *_layouts("handpicked", "auto-dr16", "b2", ["clipreal"], CAP_GB),
+           *_layouts("handpicked-dr0", "auto-dr0", "b2", ["clipreal"], CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
     # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward

@@ -104,3 +104,12 @@ def test_a_row_s_host_memory_is_what_its_process_plans_with(tmp_path) -> None:
     small = suite.Row("small-host", "b1", "native-bf16-clipreal", host_gb=1e-4)  # 100 kB: the tiny shape needs more
     got = suite.run_row(small, a, str(tmp_path), 1)
     assert "MemoryError" in got.get("error", ""), got
+
+
+def test_every_row_of_every_preset_names_a_mode_its_benchmark_knows() -> None:
+    import bench_train
+
+    modes = [r.mode for rows in suite.PRESETS.values() for r in rows if not r.fsdp]
+    assert "native-bf16-auto-dr16-clipreal" in modes  # B2's hand-picked row
+    for mode in modes:
+        bench_train.Mode.parse(mode)  # an unknown suffix exits naming it
