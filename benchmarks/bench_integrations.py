@@ -82,13 +82,14 @@ def _training_args(a: argparse.Namespace, steps: int):
 
 
 def _chosen_layout(a: argparse.Namespace, model: torch.nn.Module) -> dict[str, int]:
-    """The layout OffloadTrainer chooses for this micro-batch (none on the simulated device: the fixed one)."""
-    from offload_ext.config import OffloadConfig
-    from offload_ext.integrations.hf_trainer import trainer_layout
+    """The layout OffloadTrainer chooses for this micro-batch (none on the simulated device: the fixed one), from
+    the config the Trainer itself builds (clipping included: its device redo buffers are in the plan)."""
+    from offload_ext.integrations.hf_trainer import _device_config, trainer_layout
     from offload_ext.planning.plan import machine
 
-    config = OffloadConfig().replace(device=a.device)
-    choice = trainer_layout(model, _training_args(a, 1), config, a.seq, machine(a.device, model=model))
+    args = _training_args(a, 1)
+    config = _device_config(args, None)
+    choice = trainer_layout(model, args, config, a.seq, machine(config.device, model=model))
     return {} if choice is None else dict(resident_layers=choice.resident_layers, device_layers=choice.device_layers)
 
 
