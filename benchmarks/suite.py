@@ -175,8 +175,8 @@ def selected(preset: str, only: str | None) -> list[Row]:
 
 def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
     if row.fsdp:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                str(_common.free_port()), BENCH_FSDP, "--modes", row.mode, "--warmup", str(a.warmup), "--steps",
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                BENCH_FSDP, "--modes", row.mode, "--warmup", str(a.warmup), "--steps",
                 str(a.steps), "--stem", stem, "--device", a.device, *a.shape_args.split()]
     cmd = [sys.executable, BENCH_TRAIN, "--preset", row.shape, "--modes", row.mode, "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--batches", str(a.warmup + a.steps), "--data", "embedded", "--stem", stem,

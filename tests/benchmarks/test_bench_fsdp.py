@@ -3,12 +3,9 @@ builds its model on meta, trains, and gets a row with each rank's memory, the lo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import free_port
+from helpers import torchrun
 
 SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
          "--vocab", "256", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1"]
@@ -17,10 +14,8 @@ SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", 
 def test_bench_fsdp_runs_each_mode_on_two_cpu_ranks_and_writes_a_row_per_rank(tmp_path) -> None:
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
     modes = "offload-torch,offload-overlap,offload-overlap-clip,resident,offload-torchfused,offload-cpuadamw-clip"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-port", str(free_port()), str(bench / "bench_fsdp.py"), "--device", "cpu", *SHAPE,
-                    "--modes", modes, "--stem", str(tmp_path / "smoke")],  # an absolute stem: written there only
-                   check=True, cwd=bench, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    torchrun(2, str(bench / "bench_fsdp.py"), "--device", "cpu", *SHAPE, "--modes", modes,
+             "--stem", str(tmp_path / "smoke"), cwd=bench)  # an absolute stem: written there only
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
     assert [per_rank[0]["mode"] for per_rank in rows] == modes.split(",")
     assert all(len(per_rank) == 2 and all("error" not in r for r in per_rank) for per_rank in rows)

@@ -4,20 +4,13 @@ from its distributed checkpoint ends exactly where the run without a stop does."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from helpers import free_port
+from helpers import torchrun
 
 
 def _train(out, *flags: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", "--max-grad-norm", "1.0",
-           "--out", str(out), *flags]
-    env = {**os.environ, "OFFLOAD_TRAIN_NO_BAR": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", "--max-grad-norm", "1.0",
+             "--out", str(out), *flags, env={"OFFLOAD_TRAIN_NO_BAR": "1"})
 
 
 def _rows(out) -> list[dict]:
