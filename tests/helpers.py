@@ -140,25 +140,14 @@ def torchrun(ranks: int, *args: str, env: dict[str, str] | None = None, cwd=None
     return done
 
 
-def free_port() -> int:
-    """A TCP port free now on localhost, for a process group's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def gloo_mesh(rank: int, world: int, port: int) -> Iterator:
-    """A gloo process group of `world` CPU ranks (this one `rank`) and its 1-D device mesh, torn down on exit."""
-    import os
-
+def gloo_mesh(rank: int, world: int, store: str) -> Iterator:
+    """A gloo process group of `world` CPU ranks (this one `rank`) met at the file `store`, and its 1-D device mesh,
+    torn down on exit."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         yield init_device_mesh("cpu", (world,))
     finally:
@@ -166,19 +155,23 @@ def gloo_mesh(rank: int, world: int, port: int) -> Iterator:
 
 
 def spawn_ranks(worker, world: int, *args) -> None:
-    """worker(rank, world, port, *args) on `world` spawned processes, each ended by _run_then_exit."""
+    """worker(rank, world, store, *args) on `world` spawned processes, each ended by _run_then_exit. The ranks meet
+    at a file store (a fresh path): no TCP port to find free and lose to another process before binding it."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_run_then_exit, args=(worker, world, free_port(), *args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_run_then_exit, args=(worker, world, os.path.join(d, "store"), *args), nprocs=world, join=True)
 
 
-def _run_then_exit(rank: int, worker, world: int, port: int, *args) -> None:
+def _run_then_exit(rank: int, worker, world: int, store: str, *args) -> None:
     # Once the worker has returned (its results saved), the rank leaves without the interpreter's
     # finalization: there, a gloo worker thread may drop its last collective's tensors, take the GIL of
     # a finalizing interpreter and abort the process ("terminate called without an active exception";
     # the core of a failed run: ProcessGroupGloo::runLoop -> ~AsyncWork -> decref -> PyThread_exit_thread),
     # about 1 run in 25 of the two-rank tests. A failure inside the worker still raises before this.
-    worker(rank, world, port, *args)
+    worker(rank, world, store, *args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

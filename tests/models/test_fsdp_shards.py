@@ -28,10 +28,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int, steps: int) 
     return losses
 
 
-def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
+def _meta_worker(rank: int, world: int, store: str, out: str) -> None:
     from offload_ext.models.fsdp_shards import materialize_shards
 
-    with gloo_mesh(rank, world, port) as mesh:
+    with gloo_mesh(rank, world, store) as mesh:
         source = dict(_model().named_parameters())  # the values a checkpoint would hold
         runs = {}
         for built in ("real", "meta"):
@@ -49,7 +49,7 @@ def _meta_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _spawn(worker, out) -> list[dict]:
-    """Run worker(rank, 2, port, out) on two processes; what each saved as out/rank<r>.pt."""
+    """Run worker(rank, 2, store, out) on two processes; what each saved as out/rank<r>.pt."""
     spawn_ranks(worker, 2, str(out))
     return [torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(2)]
 
@@ -61,11 +61,11 @@ def test_a_model_built_on_meta_gets_each_ranks_shards_and_trains_as_one_built_wh
         assert runs["meta"][1] == runs["real"][1], rank
 
 
-def _dcp_worker(rank: int, world: int, port: int, out: str) -> None:
+def _dcp_worker(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    with gloo_mesh(rank, world, port) as mesh:
+    with gloo_mesh(rank, world, store) as mesh:
 
         def sharded() -> tuple[nn.Module, offload_ext.CPUAdamW]:
             model = shard_linears(_model(), mesh)

@@ -171,8 +171,8 @@ def test_a_host_that_cannot_hold_the_state_kept_for_redos_is_refused_before_any_
         offload_ext.CPUAdamW(params)
 
 
-def _fsdp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
-    with gloo_mesh(rank, world, port) as mesh:
+def _fsdp_worker(rank: int, world: int, store: str, dtype: torch.dtype, out: str) -> None:
+    with gloo_mesh(rank, world, store) as mesh:
         results = {}
         for name in ("torch", "after", "overlap", "after-clip", "overlap-clip"):
             model = shard_linears(_model(dtype), mesh)
