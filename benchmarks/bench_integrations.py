@@ -35,7 +35,6 @@ import _common
 PEER = {"offloader": "offloader", "trainer": "offloader", "offloader-noclip": "offloader-noclip",
         "per-layer": "offloader-noclip", "offloader-auto": "offloader-auto", "trainer-auto": "offloader-auto"}
 MODES = tuple(PEER)
-LAYOUT: dict[str, int] = {}  # the layout the running mode chose (auto modes), for its row
 
 
 def _config(tiny: bool):
@@ -93,23 +92,25 @@ def _chosen_layout(a: argparse.Namespace, model: torch.nn.Module) -> dict[str, i
     return {} if choice is None else dict(resident_layers=choice.resident_layers, device_layers=choice.device_layers)
 
 
+Run = tuple[list[float], dict[str, int]]  # a mode's step times, and the layout it chose (auto modes; else empty)
+
+
 def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor], max_grad_norm: float | None = 1.0,
-                   auto: bool = False) -> list[float]:
+                   auto: bool = False) -> Run:
     import offload_ext
 
     model = _model(a.tiny)
     layout = _chosen_layout(a, model) if auto else {}
-    LAYOUT.update(layout)
     off = offload_ext.Offloader(model, lr=1e-4, device=a.device, max_grad_norm=max_grad_norm, **layout)
 
     def step(x: torch.Tensor) -> None:
         offload_ext.causal_lm_loss(model, x).backward()
         off.step()
         off.zero_grad()
-    return _timed(step, batches, a.device)
+    return _timed(step, batches, a.device), layout
 
 
-def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
+def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> Run:
     import offload_ext
 
     model = _model(a.tiny)
@@ -124,10 +125,10 @@ def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> list[f
         offloader.disable_forward_hook = False
         offloader.optim_step()
         offloader.optim_zero_grad()
-    return _timed(step, batches, a.device)
+    return _timed(step, batches, a.device), {}
 
 
-def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool = False) -> list[float]:
+def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool = False) -> Run:
     from transformers import TrainerCallback
 
     import offload_ext
@@ -158,11 +159,11 @@ def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool 
 
     trainer = ChunkedLoss(model=_model(a.tiny), args=_training_args(a, len(batches)), train_dataset=Rows(),
                           callbacks=[Stamp()], seq_len=a.seq if auto else None)
-    if trainer.layout_choice is not None:
-        LAYOUT.update(resident_layers=trainer.layout_choice.resident_layers,
-                      device_layers=trainer.layout_choice.device_layers)
+    choice = trainer.layout_choice
+    layout = {} if choice is None else dict(resident_layers=choice.resident_layers,
+                                            device_layers=choice.device_layers)
     trainer.train()
-    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])]
+    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], layout
 
 
 def _child(a: argparse.Namespace) -> None:
@@ -172,9 +173,10 @@ def _child(a: argparse.Namespace) -> None:
            "offloader-noclip": functools.partial(_run_offloader, max_grad_norm=None),
            "offloader-auto": functools.partial(_run_offloader, auto=True),
            "trainer-auto": functools.partial(_run_trainer, auto=True)}[a.child]
-    times = run(a, batches)[a.warmup:]
+    times, layout = run(a, batches)
+    times = times[a.warmup:]
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
-    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak, "layout": LAYOUT or None,
+    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak, "layout": layout or None,
                       "host_peak_gb": _common._proc_kb("/proc/self/status", "VmHWM") / 1e6}))
 
 
