@@ -12,6 +12,9 @@ before, all on a page boundary, and half the units' speculative steps took 1.8x 
     python benchmarks/bench_host_passes.py                         # B1's layer size, 16 units
     python benchmarks/bench_host_passes.py --numel 4e6 --units 4 --skew 0,576
     python benchmarks/bench_host_passes.py --passes scale_step,redo --one-pass   # the steps after the norm whole
+    python benchmarks/bench_host_passes.py --precision bf16-8bit --skew 0          # 8-bit moments
+
+`--precision bf16-8bit`: the moments as uint8 codes with an absmax per block (the skews move the bf16 buffers).
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from collections.abc import Callable
 import torch
 
 import _common
+from offload_ext.engine.backends.base import absmaxes, moments
 from offload_ext.engine.backends.native import default_engine_threads, native
+from offload_ext.optim.eight_bit import eight_bit_codes
 
 PASSES = ("step", "speculative", "scale_step", "redo", "accumulate_first", "accumulate_step")
 # The jobs each pass times, by their names on the timeline (a norm on the host comes with some).
@@ -59,15 +64,18 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--passes", default=",".join(PASSES))
     ap.add_argument("--one-pass", action="store_true",
                     help="a step after the norm in one pass (params_first=False) instead of params, then moments")
+    ap.add_argument("--precision", choices=("bf16", "bf16-8bit"), default="bf16",
+                    help="the units' state: bf16 moments, or 8-bit ones (codes and a per-block absmax)")
     ap.add_argument("--stem", default="host_passes")
     return ap.parse_args()
 
 
 class Units:
-    """One engine with `units` bf16 units laid out as the native backend does, each buffer skewed."""
+    """One engine with `units` units of bf16 params laid out as the native backend does, each bf16 buffer skewed;
+    their moments in `precision`'s form."""
 
     def __init__(self, numel: int, units: int, skew: int, threads: int, speculative: bool, accumulate: bool,
-                 state_pool: str, device: str, one_pass: bool) -> None:
+                 state_pool: str, device: str, one_pass: bool, precision: str = "bf16") -> None:
         ext = native()
         self.ext = ext
         self.engine = ext.Engine(0 if device == "cuda" else -1, threads, True, 256 << 20)
@@ -99,12 +107,17 @@ class Units:
             params = buf(self.engine.pinned_empty)
             params.copy_(self.src.cpu())
             grads = buf(self.engine.pinned_empty)
-            m, v = buf(zeros), buf(zeros)
+            m, v = (buf(zeros), buf(zeros)) if precision == "bf16" else moments(zeros, precision, numel)
+            absmax = absmaxes(zeros, precision, numel, None)
             accum = buf(empty) if accumulate else (grads if speculative else None)
             # Second buffers as the backend lays them out: params page-locked (a forward copies from them once
             # swapped), the moments with the states.
-            alt = [buf(self.engine.pinned_empty), buf(zeros), buf(zeros)] if speculative else []
-            self.engine.add_unit(params, grads, m, v, accum=accum, alt=alt)
+            alt = []
+            if speculative:
+                second = (buf(zeros), buf(zeros)) if precision == "bf16" else moments(zeros, precision, numel)
+                alt = [buf(self.engine.pinned_empty), *second, *absmaxes(zeros, precision, numel, None)]
+            self.engine.add_unit(params, grads, m, v, accum=accum, alt=alt,
+                                 eight_bit=[*absmax, eight_bit_codes()] if absmax else [])
             self.grads.append(grads)
 
     def run(self, unit: int, job: object) -> None:
@@ -126,7 +139,8 @@ def pass_times(events: list[tuple[str, str, int, int, int]], prefix: str) -> dic
 def measure(a: argparse.Namespace, name: str, skew: int, pool: str, threads: int) -> list[dict[str, object]]:
     numel = int(a.numel)
     units = Units(numel, a.units, skew, threads, speculative=name in ("speculative", "scale_step", "redo"),
-                  accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device, one_pass=a.one_pass)
+                  accumulate=name.startswith("accumulate"), state_pool=pool, device=a.device, one_pass=a.one_pass,
+                  precision=a.precision)
     jobs = units.ext.Job
     parts = timed(name, a.one_pass)
     per_unit: dict[str, dict[int, list[float]]] = {label: defaultdict(list) for label, _ in parts}
@@ -180,14 +194,15 @@ def main() -> None:
                   f"{row['median_odd_ms']:6.2f} ms  per 16M {row['ms_per_16M']:5.2f} ms  "
                   f"units {' '.join(f'{t:.1f}' for t in row['ms_per_unit'].values())}", flush=True)
             rows.append(row)
-    md = [f"{a.units} units of {int(a.numel)} bf16 elements, {threads} threads, {a.steps} timed steps, "
+    md = [f"{a.units} units of {int(a.numel)} elements ({a.precision}), {threads} threads, {a.steps} timed steps, "
           f"device {a.device}, steps after the norm {'in one pass' if a.one_pass else 'params, then moments'}\n",
           "| pass | state pool | skew (B) | even units (ms) | odd units (ms) | ms per 16M elements |",
           "|---|---|---:|---:|---:|---:|"]
     md += [f"| {r['pass']} | {r['state_pool']} | {r['skew']} | {r['median_even_ms']:.2f} | {r['median_odd_ms']:.2f} | "
            f"{r['ms_per_16M']:.2f} |" for r in rows]
     for path in _common.write_results(a.stem, {"threads": threads, "numel": int(a.numel), "units": a.units,
-                                                 "device": a.device, "one_pass": a.one_pass, "rows": rows},
+                                                 "device": a.device, "one_pass": a.one_pass, "precision": a.precision,
+                                                 "rows": rows},
                                       "\n".join(md)):
         print("wrote", path)
 
