@@ -420,6 +420,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# Warm-up steps a mode may take past --warmup while the engine measures which layers the device redoes: every
+# step clipped, it measures in 14; a run whose steps rarely clip may not be done in these.
+TUNING_WARMUP_CAP = 40
+
+
 class _PhaseClock:
     """A step's time by phase (forward, backward, step) without a synchronisation inside it: a CUDA event and
     the wall clock at each phase's start and at the step's end, read once after the step. A phase's GPU time
@@ -500,8 +505,9 @@ def run_mode(mode: Mode, a: argparse.Namespace, tokens: torch.Tensor) -> dict[st
     error, and the run goes on."""
     try:
         run = _ModeRun(mode, a, tokens)
-        for k in range(a.warmup + a.steps):
-            run.step(k)
+        k = run.warm_up(0)
+        for j in range(a.steps):
+            run.step(k + j, timed=True)
         return run.finish()
     except Exception as e:  # a peer's failures (import, op build, initialize, OOM); our memory check's
         if mode.backend not in PEERS and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
@@ -532,11 +538,10 @@ def run_interleaved(modes: list[Mode], a: argparse.Namespace, tokens: torch.Tens
     of the step before it, as in a run of one mode (where the last step's leftover is never charged either),
     and no mode's background work lands in another's time. Step k of every mode trains on the same batch."""
     runs = [_ModeRun(m, a, tokens, own_peak=False) for m in modes]
+    k = 0
     for run in runs:
-        for k in range(a.warmup):
-            run.step(k, timed=False)
+        k = max(k, run.warm_up(0))
         run.settle()
-    k = a.warmup
     while len(runs[0].steps) < a.steps:
         n = min(a.interleave, a.steps - len(runs[0].steps))
         for run in runs:
@@ -579,6 +584,21 @@ class _ModeRun:
         self.clipped: list[bool] = []
         self.phases: list[dict[str, dict[str, float]]] = []
         self.losses: list[float] = []
+        self.tuning_steps = 0  # warm-up steps taken past --warmup while the engine measured its device redos
+
+    def warm_up(self, k: int) -> int:
+        """--warmup untimed steps from step k, then more while the engine still measures how many layers the
+        device redoes (engine/redo_tuning.py; at most TUNING_WARMUP_CAP more): the timed steps are the run's
+        steady state, as in a long run. Returns the next step's k."""
+        for j in range(self.a.warmup):
+            self.step(k + j, timed=False)
+        k += self.a.warmup
+        tuning = self.off.redo_tuning if self.off is not None else None
+        while tuning is not None and tuning.chosen is None and self.tuning_steps < TUNING_WARMUP_CAP:
+            self.step(k, timed=False)
+            k += 1
+            self.tuning_steps += 1
+        return k
 
     def step(self, k: int, timed: bool | None = None) -> None:
         """Step k (on batch k % --batches); timed unless `timed` says otherwise (default: past the warm-up)."""
@@ -631,6 +651,9 @@ class _ModeRun:
             row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
             row["setup_parts_s"] = dict(off.setup_seconds)
             row["layout"] = {k: getattr(off.config.tuning, k) for k in ("resident_layers", "device_layers")}
+            row["tuning_warmup_steps"] = self.tuning_steps
+            if off.redo_tuning is not None and off.redo_tuning.times:
+                print(f"  {mode.name}: device redo {off.redo_tuning.summary()}", flush=True)
             off.close()
         if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
             row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))

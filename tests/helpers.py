@@ -36,6 +36,14 @@ def batches(n: int, batch: int = 2, seq: int = 16, vocab: int = 128) -> list[tor
     return [torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(k)) for k in range(n)]
 
 
+def flat_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples (a state_dict), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for item in items for t in flat_tensors(item)]
+
+
 def to_bf16_params(model: nn.Module) -> nn.Module:
     """Parameters to bf16, buffers untouched: what the Offloader does."""
     for p in model.parameters():

@@ -58,3 +58,17 @@ def test_a_quantized_base_reads_the_same_weights_resident_and_offloaded(tmp_path
     done = subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", "native-bf16-basenf4"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode != 0 and "base<format> takes one of" in done.stderr, done.stderr
+
+
+def test_a_clipped_mode_warms_up_until_the_engine_has_measured_its_device_redos(tmp_path) -> None:
+    # Every step clips; three layers: the device redoes one layer or none, each measured for SAMPLES redone steps
+    # after WARMUP. The timed steps come after the choice: what a long run gets.
+    from offload_ext.engine.redo_tuning import SAMPLES, WARMUP
+
+    subprocess.run([sys.executable, str(BENCH), *SHAPE, "--modes", "native-bf16-clipall", "--stem",
+                    str(tmp_path / "clip")], check=True, capture_output=True, cwd=tmp_path)
+    row = json.loads((tmp_path / "clip.json").read_text())["rows"][0]
+    extra = WARMUP + 2 * SAMPLES + 1 - 2  # the redone step whose clipped step chooses, past --warmup 2
+    assert row["tuning_warmup_steps"] == extra and len(row["losses"]) == 2 + extra + 3
+    assert len(row["step_times_s"]) == 3 and row["engine"]["device_redo_chosen"]
+    assert row["clipped_fraction"] == 1.0

@@ -13,7 +13,7 @@ from torch import nn
 
 import offload_ext
 from conftest import bf16_ulp_distance
-from helpers import batches, offloaded_training, reference_training, tiny_gpt2, tiny_llama, to_bf16_params
+from helpers import batches, flat_tensors, offloaded_training, reference_training, tiny_gpt2, tiny_llama, to_bf16_params
 from offload_ext import testing
 
 LR, WD = 1e-2, 0.1
@@ -1039,13 +1039,6 @@ def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_lay
         assert torch.equal(a, b), name
 
 
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
-    return [t for item in items for t in _flat_tensors(item)]
-
-
 @pytest.mark.parametrize("precision", ["bf16-8bit", "bf16-8bit-sr"])
 @pytest.mark.parametrize("piece", [None, 777])
 def test_clipped_8bit_redos_on_the_device_are_the_hosts_bit_for_bit(precision, piece, monkeypatch) -> None:
@@ -1067,7 +1060,7 @@ def test_clipped_8bit_redos_on_the_device_are_the_hosts_bit_for_bit(precision, p
         testing.slow_host_steps(off, 3000)
         losses = offloaded_training(off, model, data)
         assert off.last_clip_action == "redone"
-        state, redos = _flat_tensors(off.state_dict()), off.stats()["device_redos"]
+        state, redos = flat_tensors(off.state_dict()), off.stats()["device_redos"]
         off.close()
         return losses, [*model.parameters(), *state], redos
 

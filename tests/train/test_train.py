@@ -355,3 +355,25 @@ def test_lora_on_a_quantized_base_resumes_exactly_and_base_dtype_needs_lora(tmp_
     capsys.readouterr()
     _fails(["--out", str(tmp_path / "full"), "--device", "cpu-sim", "--base-dtype", fmt],
            f"--base-dtype {fmt} quantizes the frozen base of a LoRA run: add --lora-r R", capsys)
+
+
+def test_clipped_steps_on_the_engine_measure_the_device_redone_layers_and_say_how_to_fix_them(tmp_path,
+                                                                                                capsys) -> None:
+    # Every step clips: the first redone steps try a third, half and none of the tiny model's four layers (one,
+    # two, none) on the simulated device, then keep one; the line that says so names the flag that fixes it.
+    from offload_ext.engine.redo_tuning import SAMPLES, WARMUP
+
+    steps = WARMUP + 3 * SAMPLES + 2
+    run = ["--device", "cpu-sim", "--backend", "native", "--steps", str(steps), "--batch-size", "2", "--seq-len",
+           "32", "--max-grad-norm", "0.001"]
+    train.run(train.parse_args(["--out", str(tmp_path / "measured"), *run]))
+    told = [line for line in capsys.readouterr().out.splitlines() if "device redo of clipped steps" in line]
+    assert len(told) == 1 and "1: " in told[0] and "2: " in told[0] and "0: " in told[0]
+    chosen = int(told[0].split("device_redo_layers=")[1].split()[0])
+    layers = [r["device_redo_layers"] for r in _metrics(str(tmp_path / "measured"))]
+    assert layers == [1] * (WARMUP + SAMPLES) + [2] * SAMPLES + [0] * SAMPLES + [chosen] * 2
+    assert all(r["clip"] == "redone" for r in _metrics(str(tmp_path / "measured")))
+    train.run(train.parse_args(["--out", str(tmp_path / "fixed"), *run, "--tuning", f"device_redo_layers={chosen}"]))
+    assert "device redo of clipped steps" not in capsys.readouterr().out
+    # the count fixed from the first step (a row leaves out a count of none that was never measured)
+    assert [r.get("device_redo_layers", 0) for r in _metrics(str(tmp_path / "fixed"))] == [chosen] * steps

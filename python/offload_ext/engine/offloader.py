@@ -35,6 +35,7 @@ from offload_ext.engine.layers import (
     unwrap_layer,
 )
 from offload_ext.engine.persistence import StateIO
+from offload_ext.engine.redo_tuning import RedoTuning
 from offload_ext.engine.state import (
     model_weights,
 )
@@ -313,6 +314,12 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
         if self._policy.micro:
             raise RuntimeError("Offloader: call step() before saving, loading or closing")
         self._backend.settle()
+
+    @property
+    def redo_tuning(self) -> RedoTuning | None:
+        """With clipping on the native engine: how many top layers of each stack the device redoes when clipping
+        triggers, measured in the first redone steps (engine.redo_tuning); None on the python backend."""
+        return self._backend.redo_tuning
 
     def stats(self) -> dict[str, Any]:
         setup = {f"setup_{k}_s": v for k, v in self.setup_seconds.items()}

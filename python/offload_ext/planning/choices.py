@@ -63,7 +63,10 @@ class EngineChoices:
     grad_slots: int | None
     speculative_units: frozenset[int]
     kept_layers: bool  # some streamed layers may run without recompute
-    device_redo_units: frozenset[int] = frozenset()  # their clipped redos run on the device
+    device_redo_units: frozenset[int] = frozenset()  # their clipped redos may run on the device (state pinned)
+    # (layers per stack, units) whose redos the device runs, each a subset of device_redo_units: the run measures
+    # them in turn and keeps the fastest (offload_ext.engine.redo_tuning); one of them: that one.
+    redo_candidates: tuple[tuple[int, frozenset[int]], ...] = ()
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
@@ -81,7 +84,7 @@ class EngineChoices:
         return dict(grad_slots=self.grad_slots, accumulate=self.rule.accumulates,
                     grad_accum=self.rule.host_grad_accum, speculative_units=self.speculative_units,
                     kept_layers=self.kept_layers,
-                    device_redo_units=self.device_redo_units)
+                    device_redo_units=self.device_redo_units, redo_candidates=self.redo_candidates)
 
 
 def choose(model: nn.Module, settings: Settings, device: torch.device, group_of: GroupOf,
@@ -102,23 +105,27 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
     ckpt, n = c.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
     # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
     kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
-    redo = device_redo_units(layout, device_redo_per_stack(c, rule.speculative, n)) & spec
-    return EngineChoices(layout, rule, t.grad_slots, spec, kept, redo)
+    candidates = tuple((k, device_redo_units(layout, k) & spec) for k in device_redo_counts(c, rule.speculative, n))
+    redo = frozenset().union(*(units for _, units in candidates))
+    return EngineChoices(layout, rule, t.grad_slots, spec, kept, redo, candidates)
 
 
-def device_redo_per_stack(c: OffloadConfig, speculative: bool, stack_layers: int) -> int:
-    """The top layers of each stack whose clipped redo runs on the device. It needs speculation over single
-    micro-batches (each layer's gradient kept on the host), in "bf16", "mixed" or the 8-bit precisions (the bf16
-    CUDA kernel has no stochastic rounding, the 8-bit one has). None: a third of each stack, where it applies.
-    The next forward runs each host-redone layer as its redo ends, then the device-redone ones, which must be
-    ready by then: with g ms of device copies per layer, c ms of host redo and a ms of forward, that asks
-    the host to keep n (g - a) / (g - a + c) layers (B1: g ~12.5, c ~9, a ~3.3: half). Measured, B1
-    lost more than that model says as the device took more layers (a third or less gained up to
-    7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): a third."""
+def device_redo_counts(c: OffloadConfig, speculative: bool, stack_layers: int) -> tuple[int, ...]:
+    """How many top layers of each stack may redo a clipped step on the device: the count asked, or (None) the
+    candidates the run measures, a third first. It needs speculation over single micro-batches (each layer's
+    gradient kept on the host), in "bf16", "mixed" or the 8-bit precisions (the bf16 CUDA kernel has no stochastic
+    rounding, the 8-bit one has). The next forward runs each host-redone layer as its redo ends, then the
+    device-redone ones, which must be ready by then: with g ms of device copies per layer, c ms of host redo and
+    a ms of forward, that asks the host to keep n (g - a) / (g - a + c) layers (B1: g ~12.5, c ~9, a ~3.3: half).
+    Measured, B1 lost more than that model says as the device took more layers (a third or less gained up to
+    7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): so the run measures a third, half,
+    a sixth and none, and keeps the fastest (offload_ext.engine.redo_tuning)."""
     applies = speculative and c.grad_accum == 1 and c.precision in ("bf16", "mixed", "bf16-8bit", "bf16-8bit-sr")
     asked = c.tuning.device_redo_layers
     if asked is None:
-        return stack_layers // 3 if applies else 0
+        if not applies:
+            return (0,)
+        return tuple(dict.fromkeys((stack_layers // 3, stack_layers // 2, stack_layers // 6, 0)))
     if type(asked) is not int or not 0 <= asked <= stack_layers:
         raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
                          f"(layers of the shortest stack), got {asked!r}")
@@ -127,7 +134,7 @@ def device_redo_per_stack(c: OffloadConfig, speculative: bool, stack_layers: int
                          "(max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1) in precision "
                          f"'bf16' or 'mixed'; got precision={c.precision!r}, grad_accum={c.grad_accum}, "
                          f"speculative={speculative}: pass device_redo_layers=None or 0")
-    return asked
+    return (asked,)
 
 
 def sums_on_device(choice: bool | None, grad_accum: int, parts: Sequence[Part], device: torch.device,

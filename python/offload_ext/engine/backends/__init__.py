@@ -11,7 +11,7 @@ from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers
 # set, and the python backend is given it without these.
 _NATIVE_ONLY = frozenset({"num_threads", "pin_threads", "slab_bytes", "host_nice", "params_first", "slice_elements",
                           "async_step", "grad_slots", "grad_accum", "speculative_units", "kept_layers",
-                          "device_redo_units"})
+                          "device_redo_units", "redo_candidates"})
 
 
 def make_backend(name: str, device: torch.device, precision: str, **options: Any) -> Backend:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from offload_ext.config import eight_bit, moment_dtype
+from offload_ext.engine.redo_tuning import RedoTuning
 from offload_ext.optim.clipping import sq_sum
 from offload_ext.optim.eight_bit import num_blocks, zero_code
 from offload_ext.planning.host_sizes import absmax_slots
@@ -237,8 +238,13 @@ class Backend(ABC):
 
     @property
     def device_redo_units(self) -> frozenset[int]:
-        """Units whose clipped redos run on the device (engine.device_redo): none unless a backend does it."""
+        """Units whose clipped redos run on the device now (engine.device_redo): none unless a backend does it."""
         return frozenset()
+
+    @property
+    def redo_tuning(self) -> RedoTuning | None:
+        """The measurement that chooses how many layers the device redoes (engine.redo_tuning), if any."""
+        return None
 
     def pending_units(self) -> list[int]:
         """Indices (in new_layer order) of the layers whose host step is not finished."""

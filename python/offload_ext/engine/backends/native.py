@@ -26,6 +26,7 @@ from offload_ext.engine.backends.base import Backend, Hyper, LayerBuffers, absma
 from offload_ext.engine.backends.native_clipping import EngineClipping
 from offload_ext.engine.backends.native_host import fit, reserve
 from offload_ext.engine.device_redo import DeviceRedo
+from offload_ext.engine.redo_tuning import RedoTuning
 from offload_ext.optim.eight_bit import eight_bit_codes
 from offload_ext.planning import host_sizes
 from offload_ext.planning.host_sizes import NativeHostPlan
@@ -44,6 +45,7 @@ class NativeBackend(Backend):
                  speculative_units: frozenset[int] = frozenset(),
                  grad_accum: int = 1, sr_seed: int = 0, kept_layers: bool = False,
                  device_redo_units: frozenset[int] = frozenset(), host_nice: int = 0,
+                 redo_candidates: tuple[tuple[int, frozenset[int]], ...] = (),
                  params_first: bool = True) -> None:
         super().__init__(device, precision, accumulate)
         # "bf16-sr", "bf16-8bit-sr": unit i steps with stochastic rounding from stream i of this seed.
@@ -53,7 +55,7 @@ class NativeBackend(Backend):
         self._direction, self._jobs = ext.Direction, ext.Job
         # Clipping: which units speculate (plan() drops the lowest of them when host memory cannot hold their
         # second buffers) and whose redos run on the device (plan() keeps those that speculate).
-        self._clip = EngineClipping(ext.Job, speculative_units, device_redo_units, grad_accum)
+        self._clip = EngineClipping(ext.Job, speculative_units, device_redo_units, grad_accum, redo_candidates)
         self._device_redo: DeviceRedo | None = None  # prepare()
         self._groups: list[tuple[tuple[int, int, int], ...]] = []  # per unit: (group, begin, end)
         self._hypers: list[Hyper] = []  # this step's, per group
@@ -164,7 +166,11 @@ class NativeBackend(Backend):
 
     @property
     def device_redo_units(self) -> frozenset[int]:
-        return self._clip.device_redo_units
+        return self._clip.tuning.units & self._clip.device_redo_units
+
+    @property
+    def redo_tuning(self) -> RedoTuning | None:
+        return self._clip.tuning
 
     def _pinned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._engine.pinned_empty(numel, dtype).zero_()
@@ -305,7 +311,9 @@ class NativeBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         redos = self._device_redo.count if self._device_redo is not None else 0
-        return {**self._engine.stats(), **self._engine.memory_stats(), "device_redos": redos}
+        tuning = self._clip.tuning
+        return {**self._engine.stats(), **self._engine.memory_stats(), "device_redos": redos,
+                "device_redo_layers": tuning.layers, "device_redo_chosen": tuning.chosen is not None}
 
     def set_copy_delay(self, max_us: int) -> None:
         self._engine.set_debug_delay_us(int(max_us))

@@ -9,12 +9,14 @@ or for device_redo_units on the device (offload_ext.engine.device_redo, the back
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from offload_ext import ops
+from offload_ext.engine.redo_tuning import RedoTuning
 from offload_ext.planning.host_sizes import NativeHostPlan
 
 
@@ -22,7 +24,7 @@ class EngineClipping:
     """Which units speculate, and the engine jobs and calls that clip a step."""
 
     def __init__(self, jobs: Any, speculative_units: frozenset[int], device_redo_units: frozenset[int],
-                 grad_accum: int) -> None:
+                 grad_accum: int, redo_candidates: Sequence[tuple[int, frozenset[int]]] = ()) -> None:
         self._jobs = jobs
         # As asked: the host plan may narrow the units, never to none (NativeHostPlan.fitted).
         self.speculative = bool(speculative_units)
@@ -31,12 +33,20 @@ class EngineClipping:
         self.keep_grads = self.speculative and grad_accum == 1
         # These units (given second buffers) step as their gradients land; the others wait for the norm.
         self.units = speculative_units
-        self.device_redo_units = device_redo_units  # when clipping triggers, their redos run on the device
+        self.device_redo_units = device_redo_units  # their state is page-locked: the device may redo them
+        # which of them the device redoes when clipping triggers: measured among the candidates
+        self._candidates = tuple(redo_candidates) or ((0, frozenset()),)
+        self.tuning = RedoTuning(self._candidates)
         self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
 
     def adopt(self, plan: NativeHostPlan) -> None:
         """Speculate (and redo on the device) on the units `plan`'s host memory holds second buffers for."""
         self.units, self.device_redo_units = plan.speculative_units, plan.device_redo_units
+        # the candidates as host memory narrowed them; two that name the same units are measured once
+        narrowed = {}
+        for layers, units in self._candidates:
+            narrowed.setdefault(units & self.device_redo_units, layers)
+        self.tuning = RedoTuning(tuple((layers, units) for units, layers in narrowed.items()))
 
     def begin(self) -> None:
         """A step's first micro-batch begins."""
@@ -93,7 +103,9 @@ class EngineClipping:
              redo_on_device: Callable[[int, float], None]) -> None:
         """The norm is known: each flushed unit that waited steps once, clipped or not; clipping triggered, each
         speculative step is redone exactly (the lowest unit first); then the held ones are released."""
-        on_device = self.device_redo_units & self.units & flushed if scale != 1.0 else frozenset()
+        redoing = scale != 1.0 and bool(self.units & flushed)
+        self.tuning.observe(time.perf_counter(), redoing)
+        on_device = self.tuning.units & self.units & flushed if redoing else frozenset()
         for i in sorted(flushed):
             if i not in self.units:
                 engine.run(i, self._jobs.SCALE_STEP, scale)
