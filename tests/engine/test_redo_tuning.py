@@ -60,24 +60,35 @@ def test_the_run_measures_each_count_on_the_device_and_stays_the_hosts_bit_for_b
     # the six layers in turn, then keep one; whichever ran, parameters and state are the host-only run's.
     base, data = tiny_llama(layers=6), batches(WARMUP + 4 * SAMPLES + 3)
 
-    def run(**kw) -> tuple[offload_ext.Offloader, list[float], list[torch.Tensor]]:
+    def run(**kw) -> tuple[RedoTuning, dict, list[float], list[torch.Tensor]]:
         model = copy.deepcopy(base)
         off = offload_ext.Offloader(model, lr=1e-3, backend="native", device="cpu", max_grad_norm=1e-3, **kw)
         losses = offloaded_training(off, model, data)
         assert off.last_clip_action == "redone"
-        return off, losses, [*(p.detach().clone() for p in model.parameters()), *flat_tensors(off.state_dict())]
+        state, stats, tuning = flat_tensors(off.state_dict()), off.stats(), off.redo_tuning
+        off.close()  # the model then holds every layer's weights (a streamed one's are the host's)
+        return tuning, stats, losses, [*model.parameters(), *state]
 
-    tuned, tuned_losses, tuned_values = run()
-    tuning = tuned.redo_tuning
+    tuning, stats, tuned_losses, tuned_values = run()
     assert tuning.chosen in (2, 3, 1, 0) and sorted(tuning.times) == [0, 1, 2, 3]
     assert all(len(t) == SAMPLES for t in tuning.times.values())
-    assert tuned.stats()["device_redo_layers"] == tuning.chosen and tuned.stats()["device_redo_chosen"]
+    assert stats["device_redo_layers"] == tuning.chosen and stats["device_redo_chosen"]
     # the redos the device ran: those of every timed count's samples, then the chosen count's for the rest
     counted = WARMUP * 2 + SAMPLES * (2 + 3 + 1 + 0) + (len(data) - WARMUP - 4 * SAMPLES) * tuning.chosen
-    assert tuned.stats()["device_redos"] == counted
-    host, host_losses, host_values = run(device_redo_layers=0)
-    assert host.redo_tuning.chosen == 0 and host.stats()["device_redos"] == 0
+    assert stats["device_redos"] == counted
+    host_tuning, host_stats, host_losses, host_values = run(device_redo_layers=0)
+    assert host_tuning.chosen == 0 and host_stats["device_redos"] == 0
     assert tuned_losses == host_losses
     assert all(torch.equal(a, b) for a, b in zip(tuned_values, host_values, strict=True))
-    tuned.close()
-    host.close()
+
+
+def test_counts_past_the_streamed_layers_collapse_into_one_candidate() -> None:
+    # Five of six layers resident: a third, half and a sixth of the stack all name its one streamed layer.
+    off = offload_ext.Offloader(tiny_llama(layers=6), backend="native", device="cpu", max_grad_norm=1.0,
+                                resident_layers=5)
+    assert off.redo_tuning.candidates == ((1, frozenset({0})), (0, frozenset()))
+    off.close()
+    asked = offload_ext.Offloader(tiny_llama(layers=6), backend="native", device="cpu", max_grad_norm=1.0,
+                                  device_redo_layers=2)
+    assert asked.redo_tuning.candidates == ((2, frozenset({4, 5})),) and asked.redo_tuning.chosen == 2
+    asked.close()

@@ -35,6 +35,10 @@ class RedoTuning:
     _skipped: int = 0
 
     def __post_init__(self) -> None:
+        distinct: dict[frozenset[int], int] = {}  # two candidates naming the same units are measured once
+        for layers, units in self.candidates:
+            distinct.setdefault(units, layers)
+        self.candidates = tuple((layers, units) for units, layers in distinct.items())
         if len(self.candidates) < 2:  # nothing to choose between: the one count stands
             self.chosen = self.candidates[0][0] if self.candidates else 0
 

@@ -42,11 +42,7 @@ class EngineClipping:
     def adopt(self, plan: NativeHostPlan) -> None:
         """Speculate (and redo on the device) on the units `plan`'s host memory holds second buffers for."""
         self.units, self.device_redo_units = plan.speculative_units, plan.device_redo_units
-        # the candidates as host memory narrowed them; two that name the same units are measured once
-        narrowed = {}
-        for layers, units in self._candidates:
-            narrowed.setdefault(units & self.device_redo_units, layers)
-        self.tuning = RedoTuning(tuple((layers, units) for units, layers in narrowed.items()))
+        self.tuning = RedoTuning(tuple((layers, units & self.device_redo_units) for layers, units in self._candidates))
 
     def begin(self) -> None:
         """A step's first micro-batch begins."""
