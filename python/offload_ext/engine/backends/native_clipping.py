@@ -34,8 +34,8 @@ class EngineClipping:
         # These units (given second buffers) step as their gradients land; the others wait for the norm.
         self.units = speculative_units
         self.device_redo_units = device_redo_units  # their state is page-locked: the device may redo them
-        # which of them the device redoes when clipping triggers: measured among the candidates
-        self._candidates = tuple(redo_candidates) or ((0, frozenset()),)
+        # which of them the device redoes when clipping triggers: measured among the candidates (none given: all)
+        self._candidates = tuple(redo_candidates) or ((len(device_redo_units), device_redo_units),)
         self.tuning = RedoTuning(self._candidates)
         self._device_sq: dict[int, torch.Tensor] = {}  # this step's per-unit sums of squares taken on the device
 
