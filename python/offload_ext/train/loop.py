@@ -69,7 +69,9 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
             phases: dict[str, float] | None = {} if k == 0 else None  # the first step's warm-up, by phase
             loss = trainer.train_step(stream, phases)
             if on_gpu:
-                torch.cuda.synchronize()
+                # The compute stream, not the device: the engine's clipped redos on the device copy their results
+                # back on side streams during the next forward; waiting for them here would serialize them.
+                torch.cuda.current_stream().synchronize()
             rate = tokens_per_step / (time.perf_counter() - t0)
             if phases is not None and lead:
                 print(f"offload-train: first step {tokens_per_step / rate:.1f} s, "
