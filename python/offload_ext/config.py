@@ -138,7 +138,7 @@ class EngineTuning:
                                   "True or False", _bool, cli="--tuning")
     device_redo_layers: int | None = knob(None, "top layers of each stack whose clipped redo runs on the device "
                                           "(None: measured in the first clipped steps among a third, half, a "
-                                          "sixth and none, where it applies)",
+                                          "sixth and none, in 8 bits two thirds too, where it applies)",
                                           "None or an int >= 0 (at most the shortest stack's layers)",
                                           _opt_int(0), cli="--tuning")
     eager_uploads: bool = knob(True, "copy a layer's new weights up as soon as its host step ends, when every layer "

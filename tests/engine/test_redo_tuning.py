@@ -92,3 +92,12 @@ def test_counts_past_the_streamed_layers_collapse_into_one_candidate() -> None:
                                   device_redo_layers=2)
     assert asked.redo_tuning.candidates == ((2, frozenset({4, 5})),) and asked.redo_tuning.chosen == 2
     asked.close()
+
+
+def test_eight_bit_moments_also_measure_two_thirds_of_the_stack_on_the_device() -> None:
+    # an 8-bit redo copies half of bf16's bytes in and out, and the host's pass is the slower
+    off = offload_ext.Offloader(tiny_llama(layers=6), backend="native", device="cpu", max_grad_norm=1.0,
+                                precision="bf16-8bit")
+    assert [layers for layers, _ in off.redo_tuning.candidates] == [2, 3, 4, 1, 0]
+    assert off.redo_tuning.candidates[2][1] == {2, 3, 4, 5}
+    off.close()

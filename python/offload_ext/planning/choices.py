@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.config import CHECKPOINTING, OffloadConfig
+from offload_ext.config import CHECKPOINTING, OffloadConfig, eight_bit
 from offload_ext.planning.gpu import device_free_bytes
 from offload_ext.planning.layout import GroupOf, Layout, Part, device_redo_units, plan_layout, speculative_units
 
@@ -121,13 +121,15 @@ def device_redo_counts(c: OffloadConfig, speculative: bool, stack_layers: int) -
     a ms of forward, that asks the host to keep n (g - a) / (g - a + c) layers (B1: g ~12.5, c ~9, a ~3.3: half).
     Measured, B1 lost more than that model says as the device took more layers (a third or less gained up to
     7 %, half and more lost up to 10 %; B2 with half: 18 % faster than none): so the run measures a third, half,
-    a sixth and none, and keeps the fastest (offload_ext.engine.redo_tuning)."""
+    a sixth and none, and keeps the fastest (offload_ext.engine.redo_tuning). In 8 bits also two thirds: a
+    device redo copies half the bytes of bf16's, and the host's pass is 1.8x longer."""
     applies = speculative and c.grad_accum == 1 and c.precision in ("bf16", "mixed", "bf16-8bit", "bf16-8bit-sr")
     asked = c.tuning.device_redo_layers
     if asked is None:
         if not applies:
             return (0,)
-        return tuple(dict.fromkeys((stack_layers // 3, stack_layers // 2, stack_layers // 6, 0)))
+        more = (2 * stack_layers // 3,) if eight_bit(c.precision) else ()
+        return tuple(dict.fromkeys((stack_layers // 3, stack_layers // 2, *more, stack_layers // 6, 0)))
     if type(asked) is not int or not 0 <= asked <= stack_layers:
         raise ValueError(f"Offloader: device_redo_layers must be None (chosen) or an int in [0, {stack_layers}] "
                          f"(layers of the shortest stack), got {asked!r}")
