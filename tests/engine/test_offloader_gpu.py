@@ -172,6 +172,23 @@ def test_clipped_redos_on_the_gpu_under_randomised_timing_train_exactly_like_hos
     _assert_same_weights(host_weights, weights)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-8bit"])
+def test_the_measured_device_redo_counts_train_exactly_like_host_redos_under_randomised_timing(precision) -> None:
+    # device_redo_layers left to the engine: the redone steps switch between counts of device-redone layers (a
+    # unit redone on the GPU one step, on the host the next), copies stall at random, the host is slow; the
+    # host redoing everything is the reference, bit for bit.
+    from offload_ext.engine.redo_tuning import SAMPLES, WARMUP
+
+    steps = WARMUP + 5 * SAMPLES + 2  # every candidate measured (8 layers: 2, 4, [5,] 1, 0), then the choice
+    clip = dict(max_grad_norm=1e-4, steps=steps, precision=precision)
+    host_losses, host_weights = _train_transfer_heavy("native", delay=False, device_redo_layers=0, **clip)
+    stats: dict = {}
+    losses, weights = _train_transfer_heavy("native", delay=True, step_delay_us=2000, stats=stats, **clip)
+    assert stats["device_redo_chosen"] and stats["device_redos"] > 0
+    assert losses == host_losses
+    _assert_same_weights(host_weights, weights)
+
+
 def test_a_traced_step_puts_the_gpu_redos_on_the_timeline_in_order() -> None:
     model = TransferHeavy()
     off = offload_ext.Offloader(model, lr=1e-3, backend="native", device="cuda", max_grad_norm=1e-4,
