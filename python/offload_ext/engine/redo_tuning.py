@@ -28,11 +28,13 @@ class RedoTuning:
     default, used until the measurement decides), and what was measured of them."""
 
     candidates: Sequence[tuple[int, frozenset[int]]]
-    times: dict[int, list[float]] = field(default_factory=dict)  # layers per stack -> seconds of its samples
-    chosen: int | None = None  # layers per stack, once measured
-    _trying: int = 0               # index into candidates
-    _pending: float | None = None  # when the last redone step's clipped step began, timed under _trying
-    _skipped: int = 0
+    # layers per stack -> seconds of its samples
+    times: dict[int, list[float]] = field(default_factory=dict, init=False)
+    chosen: int | None = field(default=None, init=False)  # layers per stack, once measured
+    _trying: int = field(default=0, init=False)  # index into candidates
+    # when the last redone step's clipped step began, timed under _trying
+    _pending: float | None = field(default=None, init=False)
+    _skipped: int = field(default=0, init=False)  # redone steps of the warm-up so far
 
     def __post_init__(self) -> None:
         distinct: dict[frozenset[int], int] = {}  # two candidates naming the same units are measured once
