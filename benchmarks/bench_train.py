@@ -214,6 +214,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    ap.add_argument("--step-sync", choices=("compute", "device"), default="compute",
+                    help="what a step waits for at its end: its compute stream (a training loop reading its loss), "
+                         "or the whole device, the engine's side streams too (every step until 28d25d5)")
     ap.add_argument("--sync-each-forward", action="store_true",
                     help="synchronise after each forward and read each micro-batch's loss (the loop before run 61)")
     ap.add_argument("--batches", type=int, default=1, metavar="N",
@@ -617,7 +620,7 @@ class _ModeRun:
         t0 = time.perf_counter()
         loss, t_fwd, did_clip, phases = _train_step(self.mode, self.model, off, self.opt, self._micro(k),
                                                     sync_each=self.a.sync_each_forward)
-        _sync_step()
+        _sync() if self.a.step_sync == "device" else _sync_step()
         self.losses.append(loss)
         if not timed:
             return
