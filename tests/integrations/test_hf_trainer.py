@@ -69,6 +69,25 @@ def test_offload_trainer_logs_the_global_norm_and_clips_by_it(tmp_path) -> None:
     trainer.offloader.close()
 
 
+def test_the_trainer_logs_the_measured_device_redo_count_once_with_the_config_that_fixes_it(tmp_path,
+                                                                                             caplog) -> None:
+    # One micro-batch a step, every step clipped: the redone steps measure one of the three layers on the device
+    # and none, then keep one; the log line says which and how to fix it.
+    import logging
+
+    from offload_ext.engine.redo_tuning import SAMPLES, WARMUP
+
+    steps = WARMUP + 2 * SAMPLES + 2
+    args = _args(tmp_path, gradient_accumulation_steps=1, max_grad_norm=1e-3, max_steps=steps)
+    with caplog.at_level(logging.INFO, logger="offload_ext.integrations.hf_trainer"):
+        _, trainer = _run(OffloadTrainer, tiny_llama(layers=3).bfloat16(), args)
+    told = [r.getMessage() for r in caplog.records if "device redo of clipped steps" in r.getMessage()]
+    chosen = trainer.offloader.redo_tuning.chosen
+    assert len(told) == 1 and f"from_options(device_redo_layers={chosen})" in told[0] and chosen in (0, 1)
+    assert trainer.offloader.last_clip_action == "redone"
+    trainer.offloader.close()
+
+
 def test_offload_trainer_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
     model = tiny_llama(layers=3).bfloat16()
     fresh = copy.deepcopy(model)

@@ -136,8 +136,8 @@ def device_redo_counts(c: OffloadConfig, speculative: bool, stack_layers: int) -
     if asked and not applies:
         raise ValueError("Offloader: device_redo_layers > 0 needs speculative clipping of single micro-batches "
                          "(max_grad_norm set, speculative_clip=True, backend='native', grad_accum=1) in precision "
-                         f"'bf16', 'mixed', 'bf16-8bit' or 'bf16-8bit-sr'; got precision={c.precision!r}, grad_accum={c.grad_accum}, "
-                         f"speculative={speculative}: pass device_redo_layers=None or 0")
+                         f"'bf16', 'mixed', 'bf16-8bit' or 'bf16-8bit-sr'; got precision={c.precision!r}, "
+                         f"grad_accum={c.grad_accum}, speculative={speculative}: pass device_redo_layers=None or 0")
     return (asked,)
 
 
