@@ -10,7 +10,8 @@
 - `offloader-auto`, `trainer-auto`: the first two with the GPU layout the Trainer chooses by default when given
   its micro-batch's length (`seq_len`), both sides the same layout (`hf_trainer.trainer_layout`), clip 1.0.
 
-Each row: the median step time over the timed steps (after the warm-up), tokens/s and its ratio to the
+Each row: the median step time over the timed steps (after the warm-up, and with clipping after the engine has
+measured how many layers the device redoes: the steady state on both sides), tokens/s and its ratio to the
 Offloader's loop on the same recipe (`offloader` for the Trainer, `offloader-noclip` for the drop-in,
 `offloader-auto` for `trainer-auto`).
 
@@ -29,12 +30,17 @@ import time
 import torch
 
 import _common
+from offload_ext.engine.redo_tuning import SAMPLES, WARMUP
 
 # Each mode, in its order, with the Offloader loop of its recipe it is compared with: the drop-in clips nothing
 # (the hook offloader has no max_grad_norm), so its peer is the loop without clipping.
 PEER = {"offloader": "offloader", "trainer": "offloader", "offloader-noclip": "offloader-noclip",
         "per-layer": "offloader-noclip", "offloader-auto": "offloader-auto", "trainer-auto": "offloader-auto"}
 MODES = tuple(PEER)
+CLIPPED = {"offloader", "trainer", "offloader-auto", "trainer-auto"}
+# Steps a clipped mode may spend while the engine measures its device redos (engine/redo_tuning.py: WARMUP redone
+# steps, then SAMPLES for each of at most five counts, then the step that decides), drawn on top of --warmup + --steps.
+TUNING_STEPS = WARMUP + 5 * SAMPLES + 1
 
 
 def _config(tiny: bool):
@@ -59,15 +65,21 @@ def _batches(n: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(n)]
 
 
-def _timed(step, batches: list[torch.Tensor], device: str) -> list[float]:
-    times = []
+def _settled(off) -> bool:
+    """Whether the Offloader's count of device-redone layers is decided (none measured: it is)."""
+    return off.redo_tuning is None or off.redo_tuning.chosen is not None
+
+
+def _timed(step, batches: list[torch.Tensor], device: str, settled=lambda: True) -> tuple[list[float], list[bool]]:
+    times, flags = [], []
     for x in batches:
+        flags.append(settled())
         t0 = time.perf_counter()
         step(x.to(device))
         if device == "cuda":  # the compute stream, as bench_train's steps: the engine's side streams run on
             torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, flags
 
 
 def _training_args(a: argparse.Namespace, steps: int):
@@ -92,7 +104,9 @@ def _chosen_layout(a: argparse.Namespace, model: torch.nn.Module) -> dict[str, i
     return {} if choice is None else dict(resident_layers=choice.resident_layers, device_layers=choice.device_layers)
 
 
-Run = tuple[list[float], dict[str, int]]  # a mode's step times, and the layout it chose (auto modes; else empty)
+# a mode's step times, whether each step began with the device-redo count decided, and the layout it chose (auto
+# modes; else empty)
+Run = tuple[list[float], list[bool], dict[str, int]]
 
 
 def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor], max_grad_norm: float | None = 1.0,
@@ -107,7 +121,7 @@ def _run_offloader(a: argparse.Namespace, batches: list[torch.Tensor], max_grad_
         offload_ext.causal_lm_loss(model, x).backward()
         off.step()
         off.zero_grad()
-    return _timed(step, batches, a.device), layout
+    return *_timed(step, batches, a.device, lambda: _settled(off)), layout
 
 
 def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> Run:
@@ -125,7 +139,7 @@ def _run_per_layer(a: argparse.Namespace, batches: list[torch.Tensor]) -> Run:
         offloader.disable_forward_hook = False
         offloader.optim_step()
         offloader.optim_zero_grad()
-    return _timed(step, batches, a.device), {}
+    return *_timed(step, batches, a.device), {}
 
 
 def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool = False) -> Run:
@@ -147,9 +161,12 @@ def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool 
             return offload_ext.causal_lm_loss(model, inputs["input_ids"])
 
     stamps: list[float] = []
+    flags: list[bool] = []
+    offloader = []  # the trainer's, once built
 
     class Stamp(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            flags.append(_settled(offloader[0]))
             stamps.append(time.perf_counter())
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -159,24 +176,27 @@ def _run_trainer(a: argparse.Namespace, batches: list[torch.Tensor], auto: bool 
 
     trainer = ChunkedLoss(model=_model(a.tiny), args=_training_args(a, len(batches)), train_dataset=Rows(),
                           callbacks=[Stamp()], seq_len=a.seq if auto else None)
+    offloader.append(trainer.offloader)
     choice = trainer.layout_choice
     layout = {} if choice is None else dict(resident_layers=choice.resident_layers,
                                             device_layers=choice.device_layers)
     trainer.train()
-    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], layout
+    return [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], flags, layout
 
 
 def _child(a: argparse.Namespace) -> None:
     cfg = _config(a.tiny)
-    batches = _batches(a.warmup + a.steps, a.batch, a.seq, cfg.vocab_size)
+    extra = TUNING_STEPS if a.child in CLIPPED else 0
+    batches = _batches(a.warmup + a.steps + extra, a.batch, a.seq, cfg.vocab_size)
     run = {"offloader": _run_offloader, "trainer": _run_trainer, "per-layer": _run_per_layer,
            "offloader-noclip": functools.partial(_run_offloader, max_grad_norm=None),
            "offloader-auto": functools.partial(_run_offloader, auto=True),
            "trainer-auto": functools.partial(_run_trainer, auto=True)}[a.child]
-    times, layout = run(a, batches)
-    times = times[a.warmup:]
+    times, settled, layout = run(a, batches)
+    timed = [k for k in range(a.warmup, len(times)) if settled[k]][:a.steps]
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
-    print(json.dumps({"mode": a.child, "step_times_s": times, "gpu_peak_gb": peak, "layout": layout or None,
+    print(json.dumps({"mode": a.child, "step_times_s": [times[k] for k in timed], "gpu_peak_gb": peak,
+                      "tuning_warmup_steps": timed[0] - a.warmup if timed else None, "layout": layout or None,
                       "host_peak_gb": _common._proc_kb("/proc/self/status", "VmHWM") / 1e6}))
 
 

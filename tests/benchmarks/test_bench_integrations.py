@@ -17,6 +17,11 @@ def test_every_mode_runs_and_is_compared_with_the_offloaders_loop(tmp_path) -> N
     assert [r["mode"] for r in rows] == ["offloader", "trainer", "offloader-noclip", "per-layer", "offloader-auto",
                                          "trainer-auto"]
     assert all(len(r["step_times_s"]) == 3 and r["tokens_per_s"] > 0 for r in rows)
+    # random tokens at clip 1.0: every step clips, and the timed steps come once the device-redo count is decided
+    # (two layers: one on the device or none; the drop-in and the loop without clipping measure nothing)
+    waited = {r["mode"]: r["tuning_warmup_steps"] for r in rows}
+    assert waited["offloader-noclip"] == waited["per-layer"] == 0
+    assert waited["offloader"] == waited["trainer"] > 0
     table = (tmp_path / "r.md").read_text()
     # each integration beside the Offloader's loop on its own recipe: the drop-in has no clipping
     assert "1.000x (offloader) |" in table and "x (offloader-noclip) |" in table.split("| per-layer |")[1]
