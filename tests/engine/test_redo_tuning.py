@@ -31,6 +31,7 @@ def test_each_candidate_is_timed_in_turn_after_the_warm_up_and_the_least_time_is
     assert tuning.times == per_count
     assert tuning.chosen == 3 and tuning.layers == 3 and tuning.units == {3, 4, 5}
     assert tuning.summary().startswith("3 layers a stack") and "0: 400.000 s" in tuning.summary()
+    assert tuning.news() == tuning.summary() and tuning.news() is None  # the choice told once
 
 
 def test_a_pause_between_steps_does_not_decide_and_steps_that_commit_open_no_interval() -> None:
@@ -53,6 +54,7 @@ def test_one_candidate_stands_without_measuring() -> None:
     tuning = RedoTuning(((4, frozenset({7, 8})),))
     _feed(tuning, [100] * 10)
     assert tuning.chosen == 4 and tuning.times == {} and tuning.units == {7, 8}
+    assert tuning.news() is None  # nothing measured: nothing to tell
 
 
 def test_the_run_measures_each_count_on_the_device_and_stays_the_hosts_bit_for_bit() -> None:

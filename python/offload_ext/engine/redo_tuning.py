@@ -35,6 +35,7 @@ class RedoTuning:
     # when the last redone step's clipped step began, timed under _trying
     _pending: float | None = field(default=None, init=False)
     _skipped: int = field(default=0, init=False)  # redone steps of the warm-up so far
+    _told: bool = field(default=False, init=False)  # news() has given the choice
 
     def __post_init__(self) -> None:
         distinct: dict[frozenset[int], int] = {}  # two candidates naming the same units are measured once
@@ -75,6 +76,14 @@ class RedoTuning:
         self._trying += 1
         if self._trying == len(self.candidates):
             self.chosen = min(self.times, key=lambda k: (min(self.times[k]), k))
+
+    def news(self) -> str | None:
+        """summary(), once: the first call after a measured choice gives it, every other call None (as does a
+        run that had nothing to measure), so a log says the choice when it is made."""
+        if self._told or self.chosen is None:
+            return None
+        self._told = True
+        return self.summary() if self.times else None
 
     def summary(self) -> str:
         """The choice and its measurements, for a log line ('' before any)."""

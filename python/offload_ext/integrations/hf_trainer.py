@@ -58,7 +58,6 @@ class OffloadTrainerMixin:
             config = config.replace(resident_layers=self.layout_choice.resident_layers,
                                     device_layers=self.layout_choice.device_layers)
         self.offloader = _offloader(model, args, config)
-        self._redo_told = False  # the measured count of device-redone layers is logged once
         kwargs["optimizers"] = (self.offloader, kwargs.get("optimizers", (None, None))[1])
         super().__init__(model, args, *trainer_args, **kwargs)
 
@@ -74,11 +73,10 @@ class OffloadTrainerMixin:
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
         super()._maybe_log_save_evaluate(tr_loss, self.offloader.last_grad_norm, *args, **kwargs)
         tuning = self.offloader.redo_tuning
-        if not self._redo_told and tuning is not None and tuning.chosen is not None:
-            self._redo_told = True
-            if tuning.times:
-                logger.info("OffloadTrainer: device redo of clipped steps: %s; offload_config=OffloadConfig."
-                            "from_options(device_redo_layers=%d) fixes it", tuning.summary(), tuning.chosen)
+        news = tuning.news() if tuning is not None else None
+        if news is not None:
+            logger.info("OffloadTrainer: device redo of clipped steps: %s; offload_config=OffloadConfig."
+                        "from_options(device_redo_layers=%d) fixes it", news, tuning.chosen)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir

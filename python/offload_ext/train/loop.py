@@ -58,7 +58,6 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
     saved = None
-    redo_told = False
     watch = Watch(args.out, args.report_to, lead)
     with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
@@ -102,7 +101,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                 watch.log(row)
                 run_dir.boundary("metrics", step + 1)
             if lead:
-                redo_told = _tell_redo_choice(trainer, redo_told)
+                _tell_redo_choice(trainer)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", mem_gb=f"{mem:.1f}")
             if args.save_every and (step + 1) % args.save_every == 0:
                 saved = trainer.save(step + 1, stream, tokenizer)
@@ -131,16 +130,14 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     return summary
 
 
-def _tell_redo_choice(trainer: Trainer, told: bool) -> bool:
-    """Print, once, how many layers of each stack the device redoes clipped steps of, as measured, and the flag
-    that fixes it; whether that is told (or there is nothing to tell)."""
+def _tell_redo_choice(trainer: Trainer) -> None:
+    """Print, when it is made, how many layers of each stack the device redoes clipped steps of, as measured, and
+    the flag that fixes it."""
     tuning = trainer.off.redo_tuning if trainer.off is not None else None
-    if told or tuning is None or tuning.chosen is None:
-        return told
-    if tuning.times:
-        print(f"offload-train: device redo of clipped steps: {tuning.summary()}; "
-              f"--tuning device_redo_layers={tuning.chosen} fixes it", flush=True)
-    return True
+    news = tuning.news() if tuning is not None else None
+    if news is not None:
+        print(f"offload-train: device redo of clipped steps: {news}; --tuning device_redo_layers={tuning.chosen} "
+              "fixes it", flush=True)
 
 
 _TRACED = (3, 4, 5)  # steps of this invocation that --trace records (0-based): the profiler's active ones
