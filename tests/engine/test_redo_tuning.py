@@ -75,6 +75,9 @@ def test_the_run_measures_each_count_on_the_device_and_stays_the_hosts_bit_for_b
     assert tuning.chosen in (2, 3, 1, 0) and sorted(tuning.times) == [0, 1, 2, 3]
     assert all(len(t) == SAMPLES for t in tuning.times.values())
     assert stats["device_redo_layers"] == tuning.chosen and stats["device_redo_chosen"]
+    assert stats["device_redo_times_s"] == {k: min(t) for k, t in tuning.times.items()}
+    measured = stats["device_redo_times_s"]
+    assert min(measured, key=lambda k: (measured[k], k)) == tuning.chosen
     # the redos the device ran: those of every timed count's samples, then the chosen count's for the rest
     counted = WARMUP * 2 + SAMPLES * (2 + 3 + 1 + 0) + (len(data) - WARMUP - 4 * SAMPLES) * tuning.chosen
     assert stats["device_redos"] == counted
