@@ -19,6 +19,7 @@ import torch
 
 import _common
 import offload_ext
+from compare_curves import WINDOW, quality_table, window_means
 from offload_ext import CPUAdamW
 from offload_ext.train.flags import parse_args, train_config
 from offload_ext.train.machine import apply_defaults
@@ -27,7 +28,6 @@ from offload_ext.train.tokens import build_stream
 
 MODES = {"mixed": dict(master_weights=True), "bf16": {}, "bf16-sr": dict(stochastic_rounding=True),
          "bf16-8bit": dict(eight_bit=True), "bf16-8bit-sr": dict(eight_bit=True, stochastic_rounding=True)}
-WINDOW = 100
 
 
 def parse() -> argparse.Namespace:
@@ -67,26 +67,15 @@ def train(mode: str, steps: int, out: str) -> list[float]:
     return losses
 
 
-def _means(losses: list[float]) -> list[float]:
-    return [statistics.fmean(losses[k:k + WINDOW]) for k in range(0, len(losses) - WINDOW + 1, WINDOW)]
-
-
 def table(curves: dict[str, list[float]]) -> str:
-    lines = [f"| precision | final loss (mean of the last {WINDOW} steps) | largest gap to mixed "
-             f"(windows of {WINDOW}) |", "|---|---:|---:|"]
-    ref = _means(curves["mixed"]) if "mixed" in curves else None
-    for mode, losses in curves.items():
-        gap = max(abs(a - b) for a, b in zip(_means(losses), ref)) if ref is not None else None
-        lines.append(f"| {mode} | {statistics.fmean(losses[-WINDOW:]):.4f} | "
-                     f"{'-' if gap is None else f'{gap:.4f}'} |")
-    return "\n".join(lines)
+    return quality_table(curves, "mixed" if "mixed" in curves else None, label="precision")
 
 
 def draw(curves: dict[str, list[float]], path: str) -> None:
     plt = _common.pyplot("bench_precision_quality")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for mode, losses in curves.items():
-        means = _means(losses)
+        means = window_means(losses)
         ax.plot([WINDOW * (k + 1) for k in range(len(means))], means, label=mode)
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss (mean of {WINDOW} steps)")

@@ -1,7 +1,8 @@
 """Compares offload-train loss curves (metrics.jsonl files): mean loss over windows of steps, and the first
-step at which each curve leaves the first one by more than --tol; with --png, the curves drawn too.
-Rounding differences (another cross-entropy kernel, another chunking, another precision) grow over a run;
-this shows how far.
+step at which each curve leaves the first one by more than --tol; for curves of two windows of 100 steps or
+more, each one's final loss (the mean of its last 100 steps) and its largest gap to the first over windows of 100;
+with --png, the curves drawn too. Rounding differences (another cross-entropy kernel, another chunking, another
+precision) grow over a run; this shows how far.
 
     python benchmarks/compare_curves.py --stem loss_curves_default $OUT/loss_curve_*.jsonl  # gpu_check's loss-curves
 """
@@ -14,6 +15,7 @@ import statistics
 
 import _common
 
+WINDOW = 100  # steps a mean is taken over in the quality table: one batch's noise is larger than the gaps
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,6 +33,23 @@ def parse() -> argparse.Namespace:
 def losses(path: str) -> list[float]:
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f]
+
+
+def window_means(losses: list[float], window: int = WINDOW) -> list[float]:
+    return [statistics.fmean(losses[k:k + window]) for k in range(0, len(losses) - window + 1, window)]
+
+
+def quality_table(curves: dict[str, list[float]], ref: str | None, label: str = "curve") -> str:
+    """Each curve's final loss (the mean of its last WINDOW steps) and its largest gap to the curve `ref` over
+    windows of WINDOW steps ('-' without `ref`)."""
+    lines = [f"| {label} | final loss (mean of the last {WINDOW} steps) | largest gap to {ref or '-'} "
+             f"(windows of {WINDOW}) |", "|---|---:|---:|"]
+    means = window_means(curves[ref]) if ref is not None else None
+    for name, losses in curves.items():
+        gap = max(abs(a - b) for a, b in zip(window_means(losses), means)) if means is not None else None
+        lines.append(f"| {name} | {statistics.fmean(losses[-WINDOW:]):.4f} | "
+                     f"{'-' if gap is None else f'{gap:.4f}'} |")
+    return "\n".join(lines)
 
 
 def plot(curves: dict[str, list[float]], out: str, smooth: int, title: str) -> None:
@@ -61,6 +80,8 @@ def main() -> None:
         means = " | ".join(f"{statistics.mean(c[lo:hi]):.4f}" for lo, hi in windows)
         lines.append(f"| {name} | {means} | {c[-1]:.4f} | {off if off is not None else '-'} |")
     markdown = "\n".join(lines)
+    if min(len(c) for c in curves.values()) >= 2 * WINDOW:
+        markdown += "\n\n" + quality_table(curves, next(iter(curves)))
     print(markdown)
     if a.png:
         plot(curves, a.png, a.smooth, a.title or a.stem)

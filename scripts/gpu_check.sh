@@ -2,6 +2,7 @@
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
 # benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
+# precision-curves-b1
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
 # accum-compile accum-sweep hog accum-probe accum-paired recipes-paired (default: build test
 # adamw train).
@@ -127,6 +128,25 @@ for step in "${steps[@]}"; do
       title="offload-train's default run by host precision (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
       run precision_curves python3 benchmarks/compare_curves.py --stem precision_curves_default \
         --png "$OUT/precision_curves_default.png" --title "$title" "$OUT"/metrics_precision_{mixed,bf16,bf16-sr}.jsonl ;;
+    precision-curves-b1)  # issue 38: the B1 shape over $B1_CURVE_STEPS (1000) steps in each host precision, batches
+      # of 2 x 1024 tokens of the embedded corpus; each run's directory (a 1.24 B checkpoint) removed once its
+      # metrics are copied, so five runs fit the machine's disk
+      export OFFLOAD_TRAIN_NO_BAR=1
+      b1_precisions=${B1_CURVE_PRECISIONS:-mixed bf16 bf16-sr bf16-8bit bf16-8bit-sr}
+      for precision in $b1_precisions; do
+        run "precision_b1_${precision}" offload-train --model llama-1b --batch-size 2 --seq-len 1024 \
+          --steps "${B1_CURVE_STEPS:-1000}" --save-every 1000000 --precision "$precision" \
+          --out "/tmp/run_precision_b1_${precision}" --overwrite
+        cp "/tmp/run_precision_b1_${precision}/metrics.jsonl" "$OUT/metrics_precision_b1_${precision}.jsonl"
+        rm -rf "/tmp/run_precision_b1_${precision}"
+      done
+      steps_b1=${B1_CURVE_STEPS:-1000}
+      title="llama-1b, 2 x 1024 tokens, by host precision (commit ${OFFLOAD_EXT_RESULTS_COMMIT:-?})"
+      # shellcheck disable=SC2086  # b1_precisions: words
+      run precision_curves_b1 python3 benchmarks/compare_curves.py --stem precision_curves_b1 \
+        --windows "0:$((steps_b1 / 10)),$((steps_b1 / 2)):$((steps_b1 * 3 / 4)),$((steps_b1 * 9 / 10)):$steps_b1" \
+        --png "$OUT/precision_curves_b1.png" --title "$title" \
+        $(for p in $b1_precisions; do echo "$OUT/metrics_precision_b1_$p.jsonl"; done) ;;
     adamw) run adamw python3 benchmarks/bench_adamw.py --threads "$(nproc)" ;;
     adamw-quick) run adamw_quick python3 benchmarks/bench_adamw.py --threads "$(nproc)" --no-deepspeed --stem adamw_16t_nods ;;
     train)  # TRAIN_MODES: a shorter list when device time is short
