@@ -72,6 +72,12 @@ def process_rss() -> int:
     return proc_bytes("/proc/self/status", "VmRSS").get("VmRSS", 0)
 
 
+def process_peak_rss() -> int:
+    """The most resident memory this process has held so far (0 where /proc is missing): what a plan's expected
+    peak RSS is checked against."""
+    return proc_bytes("/proc/self/status", "VmHWM").get("VmHWM", 0)
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 
 

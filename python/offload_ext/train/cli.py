@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
     _resolve_layout(args, model, device, resume_from)
+    memory = None
     if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
         memory = _plan(args, model, device)
         if not memory.fits:
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prior_run.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
-    return train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began)
+    return train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began, memory)
 
 
 def _check_out(args: argparse.Namespace) -> None:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from offload_ext.engine.timeline import Timeline
+from offload_ext.planning.memory import process_peak_rss
+from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import interrupt, prior_run, run_dir
 from offload_ext.train.trainer import Trainer
 from offload_ext.train.watch import Watch
@@ -46,7 +48,7 @@ def print_setup(marks: list[tuple[str, float]], trainer: Trainer) -> None:
 
 
 def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu,
-          began: float) -> dict[str, Any]:
+               began: float, memory: MemoryPlan | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     profiler = torch_profiler(args) if args.trace else None
@@ -122,12 +124,31 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]
     summary = {"steps": end, "first_loss": losses[0] if losses else None,
                "final_loss": losses[-1] if losses else None, "tokens_per_s": float(np.median(steady)),
-               "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0, "out": args.out}
+               "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0,
+               "host_rss_peak_gb": process_peak_rss() / 1e9, "out": args.out, **_planned(memory, on_gpu)}
     if lead:
         print(f"offload-train: done {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
-              f"{summary['tokens_per_s']:,.0f} tok/s (median), GPU peak {summary['gpu_peak_gb']:.2f} GB, "
-              f"checkpoint in {saved}", flush=True)
+              f"{summary['tokens_per_s']:,.0f} tok/s (median), {_peaks(summary, on_gpu)}, checkpoint in {saved}",
+              flush=True)
     return summary
+
+
+def _planned(memory: MemoryPlan | None, on_gpu: bool) -> dict[str, float]:
+    """The memory plan's expected peaks, beside which the run's own are reported (none without a plan; the GPU's
+    only on one: the simulated device's memory is the host's, in its RSS)."""
+    if memory is None:
+        return {}
+    gpu = {"planned_gpu_peak_gb": memory.gpu_peak / 1e9} if on_gpu else {}
+    return {"planned_host_rss_peak_gb": memory.host_peak_rss / 1e9, **gpu}
+
+
+def _peaks(summary: dict[str, Any], on_gpu: bool) -> str:
+    """"GPU peak A GB (planned B), host RSS peak C GB (planned D)": a plan far from its run is seen at once."""
+    def one(what: str, key: str) -> str:
+        planned = summary.get(f"planned_{key}")
+        return f"{what} {summary[key]:.2f} GB" + ("" if planned is None else f" (planned {planned:.2f})")
+    host = one("host RSS peak", "host_rss_peak_gb")
+    return f"{one('GPU peak', 'gpu_peak_gb')}, {host}" if on_gpu else host
 
 
 def _tell_redo_choice(trainer: Trainer) -> None:
