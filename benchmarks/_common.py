@@ -33,6 +33,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def model_flops_per_token(config: Any, seq_len: int, trainable: int | None = None) -> float:
+    """The training FLOPs one token costs the model itself, by PaLM's count (recompute not counted, so that runs
+    that recompute differently compare): 4 per weight of every matmul for the forward and the activations'
+    gradients (the head included; the input embedding is a lookup), 2 more per trained weight for its gradient,
+    and 12 x layers x attention width x seq_len for attention's scores and values, forward and backward (the
+    causal mask's half not taken off). `trainable`: the weights that get gradients, where not all matmul weights
+    do (LoRA: the adapters')."""
+    d, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    attention = d * head_dim * (2 * heads + 2 * config.num_key_value_heads)  # q and o; k and v
+    matmul = layers * (attention + 3 * d * config.intermediate_size) + d * config.vocab_size
+    return 4 * matmul + 2 * (matmul if trainable is None else trainable) + 12 * layers * heads * head_dim * seq_len
+
+
 def machine_info() -> dict[str, Any]:
     info = {
         "host": socket.gethostname(),

@@ -581,8 +581,11 @@ class _ModeRun:
         self.mode, self.a, self.tokens, self.own_peak = mode, a, tokens, own_peak
         t0 = time.perf_counter()
         model, weights = build_model(a)
+        trainable = None
         if mode.lora:
             model = add_lora(model, mode.lora, 2 * mode.lora, LORA_TARGETS)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.flops_per_token = _common.model_flops_per_token(model.config, tokens.shape[-1], trainable)
         self.build = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.model, self.off, self.opt = _setup(mode, model, weights, a)
@@ -654,13 +657,16 @@ class _ModeRun:
                "step_wait_s": statistics.median(self.waits), "host_busy_s": statistics.median(self.busy),
                "setup_s": self.setup, "build_s": self.build, "gpu_peak_gb": peak, "losses": self.losses,
                "step_times_s": self.steps, "tokens_per_s": self.tokens[0].numel() / median,
+               "model_tflops": self.flops_per_token * self.tokens[0].numel() / median / 1e12,
                "clipped_fraction": sum(self.clipped) / len(self.clipped) if mode.clip else None,
                "phases_s": {name: {clock: statistics.median(p[name][clock] for p in self.phases)
                                    for clock in ("gpu", "cpu")} for name in (self.phases[0] if self.phases else {})}}
         if off is not None and mode.precision == "mixed" and mode.backend == "native":
             row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
         if off is not None:
-            row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))}
+            # numbers, and the device-redo counts' measured times (layers -> seconds)
+            row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))
+                             or k == "device_redo_times_s"}
             row["setup_parts_s"] = dict(off.setup_seconds)
             row["layout"] = {k: getattr(off.config.tuning, k) for k in ("resident_layers", "device_layers")}
             row["tuning_warmup_steps"] = self.tuning_steps

@@ -248,6 +248,7 @@ def summarise(rows: list[Row], got: dict[str, list[dict[str, Any]]]) -> list[dic
         steps = [t for r in rounds for t in r["step_times_s"]]
         entry.update(step_s=statistics.median(steps), round_step_s=[r["step_s"] for r in rounds],
                      tokens_per_s=statistics.median(r["tokens_per_s"] for r in rounds),
+                     model_tflops=_median([r.get("model_tflops") for r in rounds]),
                      gpu_peak_gb=max((r["gpu_peak_gb"] or 0.0) for r in rounds) or None,
                      host_rss_peak_gb=max(r["host_rss_peak_gb"] for r in rounds),
                      clipped_fraction=_mean([r["clipped_fraction"] for r in rounds]))
@@ -256,6 +257,11 @@ def summarise(rows: list[Row], got: dict[str, list[dict[str, Any]]]) -> list[dic
             entry["round_ratio"] = [r["step_s"] / p for r, p in zip(rounds, peer["round_step_s"])]
         out.append(entry)
     return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -274,21 +280,22 @@ def _gb(v: float | None) -> str:
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | vs peer, each round | GPU peak GB | "
-             "host RSS peak GB | clipped |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | model TFLOP/s | vs peer, each round | GPU peak GB | "
+             "host RSS peak GB | clipped |", "|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         cap = (f"{r['cap_gb']:g} GB" if r["cap_gb"] else "none") + (f", host {r['host_gb']:g} GB" if r.get("host_gb")
                                                                     else "")
         mode = f"`{r['mode']}`" + (" compiled" if r["compile"] else "")
         if "error" in r:
             reason = " ".join(r["error"].split())[:160].replace("|", "\\|")
-            lines.append(f"| {r['key']} | {mode} | {cap} | not run: {reason} | | | | | |")
+            lines.append(f"| {r['key']} | {mode} | {cap} | not run: {reason} | | | | | | |")
             continue
         rounds = ", ".join(f"{t:.4f}" for t in r["round_step_s"])
         vs = (", ".join(f"{x:.3f}x" for x in r["round_ratio"]) + f" ({r['peer']})") if r.get("round_ratio") else "-"
         clipped = "-" if r["clipped_fraction"] is None else f"{r['clipped_fraction']:.0%}"
+        tflops = "-" if r.get("model_tflops") is None else f"{r['model_tflops']:.0f}"
         lines.append(f"| {r['key']} | {mode} | {cap} | {r['step_s']:.4f} ({rounds}) | {r['tokens_per_s']:,.0f} | "
-                     f"{vs} | {_gb(r['gpu_peak_gb'])} | {_gb(r['host_rss_peak_gb'])} | {clipped} |")
+                     f"{tflops} | {vs} | {_gb(r['gpu_peak_gb'])} | {_gb(r['host_rss_peak_gb'])} | {clipped} |")
     return "\n".join(lines)
 
 

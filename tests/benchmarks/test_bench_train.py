@@ -71,4 +71,23 @@ def test_a_clipped_mode_warms_up_until_the_engine_has_measured_its_device_redos(
     extra = WARMUP + 2 * SAMPLES + 1 - 2  # the redone step whose clipped step chooses, past --warmup 2
     assert row["tuning_warmup_steps"] == extra and len(row["losses"]) == 2 + extra + 3
     assert len(row["step_times_s"]) == 3 and row["engine"]["device_redo_chosen"]
+    assert set(row["engine"]["device_redo_times_s"]) == {"0", "1"}  # JSON's keys: the layer counts measured
     assert row["clipped_fraction"] == 1.0
+    assert row["model_tflops"] > 0
+
+
+def test_model_flops_count_every_matmul_weight_of_the_built_model_and_attention() -> None:
+    # The oracle: the model's own nn.Linear weights (the head's too), not the config's arithmetic.
+    sys.path.insert(0, str(BENCH.parent))
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import _common
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=300, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 12 * 3 * (4 * 32) * 128
+    assert _common.model_flops_per_token(config, 128) == 6 * matmul + attention
+    assert _common.model_flops_per_token(config, 128, trainable=1000) == 4 * matmul + 2 * 1000 + attention
