@@ -74,3 +74,20 @@ def test_the_saved_adapter_loads_with_peft(tmp_path) -> None:
     assert got
     for name, value in got.items():
         assert torch.equal(value.bfloat16(), weights[name]), name
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e6, 1e-3])
+def test_with_clipping_a_peft_model_trains_exactly_and_keeps_no_second_copy_of_its_base(max_grad_norm) -> None:
+    # Speculation would give each layer second buffers of its whole params, the frozen base among them, to hide a
+    # host step of its adapters alone: every layer waits for the norm instead, and steps once, clipped or not.
+    base = _lora(tiny_llama(layers=3), ["q_proj", "v_proj"])
+    ref_losses, ref_model = reference_training(base, batches(4), "bf16", LR, WD, max_grad_norm=max_grad_norm,
+                                               exact_clip=True)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, device="cpu", max_grad_norm=max_grad_norm)
+    assert offloaded_training(off, model, batches(4)) == ref_losses
+    assert off.last_clip_action == ("unclipped" if max_grad_norm > 1 else "clipped")
+    assert not any(b.alt for b in off._backend._layers)  # no unit has second buffers
+    off.close()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name

@@ -99,9 +99,10 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
                          "(leave base_dtype=None for a full fine-tune)")
     # Speculative clipping needs the native engine's second state buffers; the python backend clips after backward.
     speculative = t.speculative_clip and t.backend == "native" and c.max_grad_norm is not None
-    rule = StepRule(c.grad_accum, c.max_grad_norm, speculative,
+    spec = speculative_units(layout) if speculative else frozenset()
+    # no unit that speculates (a frozen base's layers): the plain clipped step, every unit waiting for the norm
+    rule = StepRule(c.grad_accum, c.max_grad_norm, speculative and bool(spec),
                     sums_on_device(t.accumulate_on_device, c.grad_accum, layout.parts, device, free_device))
-    spec = speculative_units(layout) if rule.speculative else frozenset()
     ckpt, n = c.activation_checkpointing, layout.fewest_stack_layers if layout.stacks else 0
     # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
     kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n

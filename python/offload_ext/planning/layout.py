@@ -168,11 +168,14 @@ def _quantized(layer: nn.Module, base_dtype: str | None) -> dict[int, str]:
 
 def speculative_units(layout: Layout) -> frozenset[int]:
     """The units whose host steps may run speculatively under clipping (they get second state buffers):
-    every layer of each stack. The lowest lands last, with the norm taken on the device just before its
-    copy: its step is queued as the copy lands and held once the norm is known, so it steps once, in place,
-    without the host pass a unit waiting for the norm makes first (B1: 2 ms at the end of
-    backward). The part outside the stacks lands after it: it waits for the norm and steps once, clipped."""
-    return frozenset(u.index for part in layout.stacks for u in part.units)
+    every layer of each stack that is mostly trained. The lowest lands last, with the norm taken on the device
+    just before its copy: its step is queued as the copy lands and held once the norm is known, so it steps
+    once, in place, without the host pass a unit waiting for the norm makes first (B1: 2 ms at the end of
+    backward). The part outside the stacks lands after it: it waits for the norm and steps once, clipped.
+    A layer whose buffer is mostly frozen (a LoRA/PEFT base) waits for the norm too: its second params buffer
+    would copy the whole base (70 B with an int8 base: 39 GB of the host) to hide a step of its adapters alone,
+    a pass over a few per mille of its weights."""
+    return frozenset(u.index for part in layout.stacks for u in part.units if 2 * u.trainable_numel >= u.numel)
 
 
 def device_redo_units(layout: Layout, per_stack: int) -> frozenset[int]:
