@@ -134,8 +134,9 @@ class EngineTuning:
                                       "(None: whole units)", "None or an int >= 1", _opt_int(1), cli="--tuning")
     async_step: bool | None = knob(None, "host steps run in the background past step() (None: on with 'native')",
                                    "None, True or False", _opt_bool, cli="--tuning")
-    speculative_clip: bool = knob(True, "with clipping, step as gradients land and redo exactly if the norm clips",
-                                  "True or False", _bool, cli="--tuning")
+    speculative_clip: bool = knob(True, "with clipping, step as gradients land and redo exactly if the norm clips "
+                                  "(layers mostly trained: not a frozen base's)", "True or False", _bool,
+                                  cli="--tuning")
     device_redo_layers: int | None = knob(None, "top layers of each stack whose clipped redo runs on the device "
                                           "(None: measured in the first clipped steps among a third, half, a "
                                           "sixth and none, in 8 bits two thirds too, where it applies)",
