@@ -367,3 +367,29 @@ def test_given_its_micro_batch_the_offloader_lays_itself_out_as_offload_train_do
     offload_ext.causal_lm_loss(model, x).backward()
     off.step()
     off.close()
+
+
+def _lora_clipped_run(base_dtype: str | None, delay: bool, device: str = "cuda") -> tuple[list[float], dict, str]:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(small_llama(), peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                               target_modules=["q_proj", "v_proj", "gate_proj"]))
+    off = offload_ext.Offloader(model, lr=3e-3, device=device, max_grad_norm=1e-3, base_dtype=base_dtype,
+                                async_step=delay)
+    if delay:
+        testing.delayed_copies(off, 2000)
+        testing.slow_host_steps(off, 2000)
+    losses = offloaded_training(off, model, repeating_batches(6), device=device)
+    action, weights = off.last_clip_action, off.model_state_dict()
+    off.close()
+    return losses, weights, action
+
+
+@pytest.mark.parametrize("base_dtype", [None, "int8"])
+def test_lora_with_clipping_waits_for_the_norm_and_trains_exactly_under_randomised_timing(base_dtype) -> None:
+    # A frozen base's layers do not speculate: every step clips, each layer's adapters step once after the norm,
+    # while copies stall at random and the host is slow; the synchronous step is the reference, bit for bit.
+    sync_losses, sync_weights, sync_action = _lora_clipped_run(base_dtype, delay=False)
+    losses, weights, action = _lora_clipped_run(base_dtype, delay=True)
+    assert sync_action == action == "clipped"
+    assert losses == sync_losses
+    _assert_same_weights(sync_weights, weights)
