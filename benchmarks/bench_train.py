@@ -664,9 +664,8 @@ class _ModeRun:
         if off is not None and mode.precision == "mixed" and mode.backend == "native":
             row["a1_mixed_kernel_s"] = time_mixed_kernel(off)
         if off is not None:
-            # numbers, and the device-redo counts' measured times (layers -> seconds)
-            row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool))
-                             or k == "device_redo_times_s"}
+            # numbers, and tables of them (the device-redo counts' measured times: layers -> seconds)
+            row["engine"] = {k: v for k, v in off.stats().items() if isinstance(v, (int, float, bool, dict))}
             row["setup_parts_s"] = dict(off.setup_seconds)
             row["layout"] = {k: getattr(off.config.tuning, k) for k in ("resident_layers", "device_layers")}
             row["tuning_warmup_steps"] = self.tuning_steps

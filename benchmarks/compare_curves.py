@@ -17,6 +17,7 @@ import _common
 
 WINDOW = 100  # steps a mean is taken over in the quality table: one batch's noise is larger than the gaps
 
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="metrics.jsonl files; the first is the reference")
