@@ -671,7 +671,7 @@ class _ModeRun:
             row["tuning_warmup_steps"] = self.tuning_steps
             if off.redo_tuning is not None and off.redo_tuning.times:
                 print(f"  {mode.name}: device redo {off.redo_tuning.summary()}", flush=True)
-            off.close()
+            off.close(copy_out=False)  # the model is dropped next: no bf16 copy of it (70 B: 141 GB)
         if isinstance(opt, _deepspeed.ZeroRun):  # its host work is not visible from here: no wait or busy figures
             row.update(step_wait_s=None, host_busy_s=None, engine=opt.stats(), setup_parts_s=dict(opt.setup_seconds))
         self.model = self.off = self.opt = None

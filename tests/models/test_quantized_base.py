@@ -76,6 +76,15 @@ def test_a_weight_dequantized_in_chunks_is_the_same_as_at_once(fmt, monkeypatch)
     assert torch.equal(chunked, whole)
 
 
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_a_weight_quantized_in_chunks_is_held_the_same_as_at_once(fmt, monkeypatch) -> None:
+    w = _weight(torch.Size((96, 320)))
+    whole, _ = _held(fmt, w)
+    monkeypatch.setattr(quantized_base, "QUANT_CHUNK", 704)  # 11 blocks of 64; rows of 320: 2 at a time
+    chunked, _ = _held(fmt, w)
+    assert torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
+
+
 def test_a_row_of_zeros_stays_zero_in_every_format() -> None:
     w = _weight(torch.Size((64, 64)))
     w[3] = 0
@@ -135,6 +144,43 @@ def test_a_quantized_bases_state_round_trip_continues_exactly() -> None:
     assert straight[2:] == offloaded_training(second, again, data[2:])
     for o in (off, first, second):
         o.close()
+
+
+def _host_of(room: int) -> str:
+    """OFFLOAD_EXT_HOST_MEMORY for a host whose buffers may take `room` bytes (an eighth is kept free)."""
+    total = room
+    while total - total // 8 < room:
+        total += 1
+    return f"{total}B"
+
+
+def test_close_refuses_a_bf16_copy_of_the_base_the_host_cannot_hold_and_detaches_without_it(monkeypatch) -> None:
+    model = _lora()
+    twin = copy.deepcopy(model)
+    off = offload_ext.Offloader(model, lr=1e-2, device="cpu", base_dtype="int8")
+    ref = offload_ext.Offloader(twin, lr=1e-2, device="cpu", base_dtype="int8")
+    trained = offloaded_training(off, model, batches(2))
+    assert trained == offloaded_training(ref, twin, batches(2))
+    ref.close()
+    copied = sum(p.numel() * p.element_size() for p in twin.parameters())  # the base dequantized: bf16
+    assert copied > sum(u.numel for u in off.layout.units) * 2  # more than the host holds of it, quantized
+    monkeypatch.setenv("OFFLOAD_EXT_HOST_MEMORY", _host_of(copied - 1))
+    with pytest.raises(MemoryError, match=r"close\(copy_out=False\)"):
+        off.close()
+    # refused before any copy: the weights still read back, as the twin's did
+    kept = off.model_state_dict()
+    for name, p in twin.named_parameters():
+        assert torch.equal(kept[name], p), name
+    off.close(copy_out=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert [p.shape for p in model.parameters()] == [p.shape for p in twin.parameters()]
+    off.close()  # detached: nothing more to do
+    monkeypatch.delenv("OFFLOAD_EXT_HOST_MEMORY")
+    other = _lora()
+    again = offload_ext.Offloader(other, lr=1e-2, device="cpu", base_dtype="int8")
+    monkeypatch.setenv("OFFLOAD_EXT_HOST_MEMORY", _host_of(copied))
+    again.close()  # exactly room for the copy: made
+    assert not any(p.is_meta for p in other.parameters())
 
 
 def test_base_dtype_is_refused_where_nothing_is_frozen_or_layers_are_kept() -> None:

@@ -42,10 +42,11 @@ from offload_ext.engine.state import (
 from offload_ext.engine.step_policy import StepPolicy
 from offload_ext.engine.timeline import Timeline, span
 from offload_ext.engine.wiring import LayerWiring
-from offload_ext.models.weight_source import WeightSource, check_materialized, materialize
+from offload_ext.models.weight_source import WeightSource, check_materialized, make_real, materialize
 from offload_ext.optim.device_optimizer import DeviceOptimizer
 from offload_ext.planning.auto_layout import LayoutChoice, planned_layout
 from offload_ext.planning.choices import Settings, check_checkpointing, checkpointed_count, choose
+from offload_ext.planning.host_sizes import available_host_bytes
 from offload_ext.planning.layout import GroupOf, Layout
 from offload_ext.planning.param_groups import HYPER_KEYS, build_groups
 from offload_ext.planning.plan import check_device_memory
@@ -117,6 +118,8 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
         self.last_step_wait = 0.0
         self._step = 0
         self._closed = False
+        self._detached = False
+        self._close_failure: str | None = None
         self._failed: str | None = None  # the error a step ended in: every later call raises it until close()
         self._timeline: Timeline | None = None
         rule = choices.rule
@@ -329,26 +332,60 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
                 "early_layer_copies": sum(r.early for r in self._rings), "kept_layers": self.kept_layers,
                 **setup, **self._backend.stats()}
 
-    def close(self) -> None:
+    def close(self, copy_out: bool = True) -> None:
         """Detach from the model: it becomes an ordinary module on the CPU holding its current weights. The
         optimizer state and gradient buffers are given back first; the weights' host buffers stay until the
-        Offloader is dropped (model_state_dict still reads them)."""
+        Offloader is dropped (model_state_dict still reads them).
+
+        A copy the host has no room for (a quantized base comes out in bf16: 70 B is 141 GB) is refused with
+        MemoryError before any of it is made; the engine is stopped by then, its weights still readable.
+        `copy_out=False` detaches without the copy: every parameter is left on the meta device (save what you
+        need first: model_state_dict(), save_pretrained(), or peft's adapter)."""
+        if self._detached:
+            return
+        self._stop()
+        weights = None
+        if copy_out:
+            self._check_room_to_copy_out()
+            try:
+                weights = model_weights(self.model, self.layout, self._host)
+            except RuntimeError as e:  # after a device fault the device's weights cannot be read back
+                self._close_failure = self._close_failure or str(e)
+        self._detach(weights, copy_out)
+        if self._close_failure:
+            kept = ("the model holds its weights as the failure left them" if weights is not None else
+                    "the model's weights could not be read back" if copy_out else "the model's weights were not "
+                    "copied out")
+            warnings.warn(f"Offloader.close: training had failed ({self._close_failure}); {kept}: continue from a "
+                          "checkpoint", RuntimeWarning, stacklevel=2)
+
+    def _stop(self) -> None:
+        """The engine stopped and its optimizer state given back, once."""
         if self._closed:
             return
         # Whatever failed before (a host step, a device fault, an interrupted step), close() returns: the engine
         # stops first, then the model is detached.
         self._policy.end_step()
-        failure = self._backend.close() or self._failed
+        self._close_failure = self._backend.close() or self._failed
         self._closed = True
         # The optimizer state goes before the weights are copied out: the copy would otherwise come on top of
         # the whole engine (qwen-14b: 113 GB at close against 84 GB through training).
         for layer in self._host:
             layer.release_state()
         self._backend.release_memory()
-        try:
-            weights = model_weights(self.model, self.layout, self._host)
-        except RuntimeError as e:  # after a device fault the device's weights cannot be read back
-            weights, failure = None, failure or str(e)
+
+    def _check_room_to_copy_out(self) -> None:
+        streamed = {id(s.param): s.shape.numel() * 2 for unit in self.layout.units for s in unit.spans}  # in bf16
+        need = sum(streamed.get(id(p), p.numel() * p.element_size())
+                   for p in {id(p): p for p in self.model.parameters()}.values())
+        room = available_host_bytes()
+        if room is not None and need > room:
+            raise MemoryError(f"Offloader.close: the model's weights copied out to the CPU take {need / 1e9:.1f} GB "
+                              f"and the host has {room / 1e9:.1f} GB available; the engine is stopped and its "
+                              "weights still readable: save them (model_state_dict(), save_pretrained(), peft's "
+                              "adapter), then close(copy_out=False) to detach without the copy")
+
+    def _detach(self, weights: dict[str, torch.Tensor] | None, copy_out: bool) -> None:
         for path in self._grad_paths:
             path.unhook()
         for hook in self._output_hooks:
@@ -359,13 +396,13 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 p.data = weights[name]
             self.model.to("cpu")
+        elif not copy_out:  # a streamed parameter holds an empty placeholder: its shape is its span's
+            shapes = {id(s.param): s.shape for unit in self.layout.units for s in unit.spans}
+            for p in self.model.parameters():
+                make_real(p, torch.empty(shapes.get(id(p), p.shape), dtype=p.dtype, device="meta"))
         if self._hf_checkpointing:
             enable_activation_checkpointing(self.model)
-        if failure:
-            kept = "the model holds its weights as the failure left them" if weights is not None else \
-                "the model's weights could not be read back"
-            warnings.warn(f"Offloader.close: training had failed ({failure}); {kept}: continue from a checkpoint",
-                          RuntimeWarning, stacklevel=2)
+        self._detached = True
 
     def __enter__(self) -> "Offloader":
         return self
