@@ -130,12 +130,14 @@ for step in "${steps[@]}"; do
         --png "$OUT/precision_curves_default.png" --title "$title" "$OUT"/metrics_precision_{mixed,bf16,bf16-sr}.jsonl ;;
     precision-curves-b1)  # issue 38: the B1 shape over $B1_CURVE_STEPS (1000) steps in each host precision, batches
       # of 2 x 1024 tokens of the embedded corpus; each run's directory (a 1.24 B checkpoint) removed once its
-      # metrics are copied, so five runs fit the machine's disk
+      # metrics are copied, so five runs fit the machine's disk. Every layer streamed (--resident-layers 0): the
+      # default layout keeps 15 of 16 resident at this batch, stepped on the GPU, where the 8-bit precisions step
+      # as bf16 / bf16-sr (run 94): their curves would show the device's rule, not the host's 8-bit moments
       export OFFLOAD_TRAIN_NO_BAR=1
       b1_precisions=${B1_CURVE_PRECISIONS:-mixed bf16 bf16-sr bf16-8bit bf16-8bit-sr}
       for precision in $b1_precisions; do
         run "precision_b1_${precision}" offload-train --model llama-1b --batch-size 2 --seq-len 1024 \
-          --steps "${B1_CURVE_STEPS:-1000}" --save-every 1000000 --precision "$precision" \
+          --resident-layers 0 --steps "${B1_CURVE_STEPS:-1000}" --save-every 1000000 --precision "$precision" \
           --out "/tmp/run_precision_b1_${precision}" --overwrite
         cp "/tmp/run_precision_b1_${precision}/metrics.jsonl" "$OUT/metrics_precision_b1_${precision}.jsonl"
         rm -rf "/tmp/run_precision_b1_${precision}"
