@@ -85,6 +85,19 @@ def test_a_weight_quantized_in_chunks_is_held_the_same_as_at_once(fmt, monkeypat
     assert torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_a_weight_is_held_in_the_same_bits_quantized_on_the_gpu_as_on_the_host(fmt) -> None:
+    # rows of every magnitude (fp8's subnormal scales, NF4's ties at the bounds come with them), over several chunks
+    w = _weight(torch.Size((1536, 2048)))
+    w = (w.float() * torch.logspace(-30, 30, w.shape[0], base=2).unsqueeze(1)).bfloat16()
+    w[7] = 0
+    host, _ = _held(fmt, w)
+    device = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16, device="cuda")
+    quantize_into(fmt, w.cuda(), device)
+    assert torch.equal(device.cpu().view(torch.uint8), host.view(torch.uint8))
+
+
 def test_a_row_of_zeros_stays_zero_in_every_format() -> None:
     w = _weight(torch.Size((64, 64)))
     w[3] = 0

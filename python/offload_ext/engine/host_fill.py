@@ -1,6 +1,7 @@
 """Host fill: each unit's values moved from the model into its host buffers, leaving device placeholders."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -26,7 +27,7 @@ def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: boo
             reads.append((s, params, master))
             continue
         if s.quant is not None:
-            quantize_into(s.quant, s.param.detach().to(torch.bfloat16), params)
+            _quantize(s, s.param.detach().to(torch.bfloat16), params, device)
         else:
             src = s.param.detach().reshape(-1)
             params.copy_(src)
@@ -35,20 +36,39 @@ def fill_unit(unit: Unit, backend: Backend, device: torch.device, own_grads: boo
         s.param.data = torch.empty(0, dtype=torch.bfloat16, device=device)
     if reads:
         run = pool.map if pool is not None and weights.thread_safe else map
-        list(run(lambda r: _read(weights, *r), reads))
+        list(run(lambda r: _read(weights, *r, device), reads))
         for s, _, _ in reads:
             make_real(s.param, torch.empty(0, dtype=torch.bfloat16, device=device))
     host.mirror_frozen()
     return host
 
 
-def _read(weights: WeightSource, span: Span, params: torch.Tensor, master: torch.Tensor | None) -> None:
+def _read(weights: WeightSource, span: Span, params: torch.Tensor, master: torch.Tensor | None,
+          device: torch.device) -> None:
     if span.quant is not None:  # its values once, whole, then held in its format
         values = torch.empty(span.shape, dtype=torch.bfloat16)
         weights.fill(span.param, values)
-        quantize_into(span.quant, values, params)
+        _quantize(span, values, params, device)
         return
     # Once, into the widest buffer that keeps it (an fp32 checkpoint's values into the master).
     weights.fill(span.param, master if master is not None else params)
     if master is not None:
         params.copy_(master)
+
+
+# One weight on the GPU at a time: the readers' copies share the link anyway, and the transient stays one weight's
+# (0.7 GB for the 70 B shape's largest) however many read at once.
+_ON_DEVICE = threading.Lock()
+
+
+def _quantize(span: Span, values: torch.Tensor, params: torch.Tensor, device: torch.device) -> None:
+    """`values` (bf16, on the host) held in the span's format in its stored elements of `params`: quantized on the
+    GPU where the engine has one (the host's torch ops took minutes for a 70 B base), the same bits: each format's
+    rule is exact elementwise arithmetic (tests/models/test_quantized_base.py checks both devices alike)."""
+    if device.type != "cuda":
+        quantize_into(span.quant, values, params)
+        return
+    with _ON_DEVICE:
+        stored = torch.empty(span.stored, dtype=torch.bfloat16, device=device)
+        quantize_into(span.quant, values.to(device), stored)
+        params.copy_(stored)
