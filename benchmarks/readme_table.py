@@ -21,7 +21,10 @@ B1, B1_ACCUM, B1_PEERS = f"{RUN}/suite_b1.json", f"{RUN}/suite_b1-2.json", f"{RU
 B2_PEERS = f"{RUN}/suite_b2-2.json"
 # B2's default and 8-bit rows from the call that ran them side by side (run 93, on an H200)
 B2 = "2026-12-05_a1df555/suite_b2-2.json"
-SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)"}
+SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)",
+          "mistral-24b": "Mistral-Small-24B shape, 1 x 4096 tokens"}
+# the 24 B full fine-tune: nothing on one GPU holds it to be set beside (run 94, on an H100)
+REACH = "2026-12-06_7deb45f/suite_reach.json"
 # (what the row is, results file, row key): the offloaded rows run the layout offload-train chooses by default
 # (`auto`: the rows of these files keyed auto-*), the peers beside the Offloader in that call
 ROWS = [
@@ -34,6 +37,7 @@ ROWS = [
     ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B1_PEERS, "deepspeed-tuned"),
     ("DeepSpeed ZeRO-2 optimizer offload, tuned, clip 1.0", B1_PEERS, "deepspeed2-tuned"),
     ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B2_PEERS, "deepspeed-tuned"),
+    ("full fine-tune, 8-bit moments", REACH, "24b-8bit"),
 ]
 
 
@@ -46,14 +50,19 @@ def _row(what: str, path: str, key: str) -> str:
         result = json.load(f)
     rows = {r["key"]: r for r in result["rows"]}
     ours = rows[key]
-    peer = rows[ours["peer"]]
+    peer = rows[ours["peer"]] if ours["peer"] else None
     cap = (f"{ours['cap_gb']:g} GB" if ours["cap_gb"] else "none") + (
         f", host {ours['host_gb']:g} GB" if ours.get("host_gb") else "")
-    ratios = ", ".join(f"{x:.3f}x" for x in ours["round_ratio"])
+    if peer is None:  # a row nothing is measured beside
+        beside, ratios, peaks = "-", "-", ("-", "-")
+    else:
+        beside = f"`{peer['mode']}`: {peer['step_s']:.3f} s"
+        ratios = ", ".join(f"{x:.3f}x" for x in ours["round_ratio"])
+        peaks = (_gb(peer["gpu_peak_gb"]), _gb(peer["host_rss_peak_gb"]))
     machine = result["machine"]
     return (f"| {SHAPES[ours['shape']]}, {what} | `{ours['mode']}`: {ours['step_s']:.3f} s | {cap} | "
-            f"`{peer['mode']}`: {peer['step_s']:.3f} s | {ratios} | {_gb(ours['gpu_peak_gb'])} / "
-            f"{_gb(peer['gpu_peak_gb'])} | {_gb(ours['host_rss_peak_gb'])} / {_gb(peer['host_rss_peak_gb'])} | "
+            f"{beside} | {ratios} | {_gb(ours['gpu_peak_gb'])} / {peaks[0]} | "
+            f"{_gb(ours['host_rss_peak_gb'])} / {peaks[1]} | "
             f"{result['date'][:10]}, {result['commit']}, {machine.get('gpu') or 'CPU'} "
             f"({machine.get('usable_cpus', '?')}-core host) | [{os.path.basename(path)}](benchmarks/results/{path}) |")
 
