@@ -27,8 +27,8 @@ NF4_BLOCK = 64  # QLoRA's block size
 # (a 70 B layer's largest is 235 M elements: ~2 GB of temporaries at once, under a 24 GB cap).
 DEQUANT_CHUNK = 1 << 24
 DEQUANT_TEMP_BYTES = 12 * DEQUANT_CHUNK  # the codes widened, the levels gathered, the product
-# Elements quantized at a time on the host: temporaries of a few MB that the allocator reuses, where a whole matrix
-# at once faulted in fresh pages for each of its ~2 GB temporaries (a 70 B base took minutes to fill).
+# Elements quantized at a time: temporaries of a few MB that the allocator reuses, where a whole matrix at once
+# faulted in fresh host pages for each of its ~2 GB temporaries (a 70 B base took minutes to fill on the host).
 QUANT_CHUNK = 1 << 20
 _FP8_MAX = 448.0
 _INV_127 = 7.874015718698502e-3  # LLM.int8's 1 / 127, as its dequantization multiplies by it
