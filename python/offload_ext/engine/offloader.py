@@ -374,10 +374,14 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
             layer.release_state()
         self._backend.release_memory()
 
+    def _streamed_shapes(self) -> dict[int, torch.Size]:
+        """Each streamed parameter's shape by id: on the device it holds an empty placeholder."""
+        return {id(s.param): s.shape for unit in self.layout.units for s in unit.spans}
+
     def _check_room_to_copy_out(self) -> None:
-        streamed = {id(s.param): s.shape.numel() * 2 for unit in self.layout.units for s in unit.spans}  # in bf16
-        need = sum(streamed.get(id(p), p.numel() * p.element_size())
-                   for p in {id(p): p for p in self.model.parameters()}.values())
+        streamed = self._streamed_shapes()  # copied out in bf16, a quantized one dequantized
+        need = sum(streamed[id(p)].numel() * 2 if id(p) in streamed else p.numel() * p.element_size()
+                   for p in self.model.parameters())
         room = available_host_bytes()
         if room is not None and need > room:
             raise MemoryError(f"Offloader.close: the model's weights copied out to the CPU take {need / 1e9:.1f} GB "
@@ -396,8 +400,8 @@ class Offloader(BackwardHooks, LayerWiring, StateIO, torch.optim.Optimizer):
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 p.data = weights[name]
             self.model.to("cpu")
-        elif not copy_out:  # a streamed parameter holds an empty placeholder: its shape is its span's
-            shapes = {id(s.param): s.shape for unit in self.layout.units for s in unit.spans}
+        elif not copy_out:
+            shapes = self._streamed_shapes()
             for p in self.model.parameters():
                 make_real(p, torch.empty(shapes.get(id(p), p.shape), dtype=p.dtype, device="meta"))
         if self._hf_checkpointing:

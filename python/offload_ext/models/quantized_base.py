@@ -76,9 +76,11 @@ def _parts(fmt: str, shape: torch.Size, storage: torch.Tensor) -> tuple[torch.Te
     return scales, codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes
 
 
-def _nf4_bounds(device: torch.device) -> torch.Tensor:
-    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
-    return (levels[1:] + levels[:-1]) / 2
+@functools.cache
+def _nf4_bounds() -> tuple[float, ...]:
+    """The midpoints of adjacent levels, in fp32 as the levels are held: compared with on any device, no tensor."""
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
+    return tuple(((levels[1:] + levels[:-1]) / 2).tolist())
 
 
 def quantize_into(fmt: str, weight: torch.Tensor, storage: torch.Tensor) -> None:
@@ -86,13 +88,14 @@ def quantize_into(fmt: str, weight: torch.Tensor, storage: torch.Tensor) -> None
     elements at a time (whole rows; for nf4 whole blocks)."""
     scales, codes = _parts(fmt, weight.shape, storage)
     if fmt == "nf4":
-        flat, bounds = weight.reshape(-1), _nf4_bounds(weight.device).tolist()
+        flat = weight.reshape(-1)
         for begin in range(0, flat.numel(), QUANT_CHUNK):  # QUANT_CHUNK is a multiple of the block
             blocks = flat[begin:begin + QUANT_CHUNK].float().view(-1, NF4_BLOCK)
             absmax = blocks.abs().amax(dim=1)
             scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1), -1, 1).view(-1)
             q = torch.zeros(scaled.numel(), dtype=torch.uint8, device=scaled.device)
-            for bound in bounds:  # the bounds below it: the nearest level, a tie to the lower (bucketize, 3x slower)
+            # the bounds below each: its nearest level, a tie to the lower (bucketize's answer, 3x slower)
+            for bound in _nf4_bounds():
                 q += scaled > bound
             codes[begin // 2:(begin + q.numel()) // 2].copy_((q[::2] << 4) | q[1::2])
             scales[begin // NF4_BLOCK:begin // NF4_BLOCK + absmax.numel()].copy_(absmax)
