@@ -6,6 +6,7 @@ Engine's copy streams and job kinds); reaching one without the extension raises 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -147,6 +148,23 @@ def sr_round_bf16(param32: torch.Tensor, exp_avg32: torch.Tensor, exp_avg_sq32: 
                                         _int64(stream), int(step), int(offset))
 
 
+def dequantize_base(storage: torch.Tensor, fmt: str, shape: torch.Size, out: torch.Tensor) -> None:
+    """`out` (bf16, contiguous, of `shape`'s elements) from a weight of `shape` held in `fmt` ("int8", "fp8" or
+    "nf4") in `storage` (its bf16 span: the fp32 scales, then the codes), in one pass on their device: bit for bit
+    offload_ext.models.quantized_base's rule."""
+    native()
+    rows, cols = shape
+    torch.ops.offload_ext.dequantize_base(storage, fmt, int(rows), int(cols), out)
+
+
+@functools.cache
+def native_on(device_type: str) -> bool:
+    """Whether the extension's ops are built for this kind of device (a CPU-only build has no CUDA kernels)."""
+    if not _ext.available():
+        return False
+    return device_type == "cpu" or (device_type == "cuda" and bool(native().native_info()["cuda"]))
+
+
 def set_num_threads(num_threads: int, pin: bool = False) -> None:
     """Size the kernels' thread pool (the caller counts as one); `pin` keeps the lowest CPU free."""
     native().set_num_threads(int(num_threads), bool(pin))
@@ -230,6 +248,10 @@ def _register_fakes_and_autograd() -> None:
                             stream: int, step: int, offset: int) -> None:
         _same_numel("sr_round_bf16", param32, exp_avg32=exp_avg32, exp_avg_sq32=exp_avg_sq32, param_bf16=param,
                     exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+
+    @torch.library.register_fake("offload_ext::dequantize_base")
+    def _dequantize_base_fake(storage: torch.Tensor, fmt: str, rows: int, cols: int, out: torch.Tensor) -> None:
+        torch._check(out.numel() == rows * cols, lambda: "dequantize_base: expected out to have rows * cols elements")
 
     @torch.library.register_fake("offload_ext::sum_squares")
     def _sum_squares_fake(x: torch.Tensor) -> torch.Tensor:

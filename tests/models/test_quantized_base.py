@@ -67,13 +67,63 @@ def test_fp8_is_within_e4m3s_rounding_of_each_row_scaled_to_its_range(shape) -> 
 
 
 @pytest.mark.parametrize("fmt", BASE_DTYPES)
-def test_a_weight_dequantized_in_chunks_is_the_same_as_at_once(fmt, monkeypatch) -> None:
+def test_the_torch_rule_dequantized_in_chunks_gives_the_ops_bits(fmt, monkeypatch) -> None:
     w = _weight(torch.Size((96, 320)))
-    storage, whole = _held(fmt, w)
+    storage, by_op = _held(fmt, w)
     monkeypatch.setattr(quantized_base, "DEQUANT_CHUNK", 704)  # 11 blocks of 64; rows of 320: 2 at a time
     chunked = torch.empty(w.shape, dtype=torch.bfloat16)
-    dequantize(fmt, w.shape, storage, chunked)
-    assert torch.equal(chunked, whole)
+    dequantize(fmt, w.shape, storage, chunked, native=False)
+    assert torch.equal(chunked.view(torch.int16), by_op.view(torch.int16))
+
+
+def _any_storage(fmt: str, shape: torch.Size, device: str = "cpu") -> torch.Tensor:
+    """A storage of every code (fp8's two NaN codes left out: torch's own float-to-bf16 casts give NaN different
+    bits on different paths, and quantize_into never makes them) under scales from 2^-140 to 2^120: products
+    that are bf16 subnormals, normals and overflow to infinity."""
+    g = torch.Generator().manual_seed(5)
+    storage = torch.randint(0, 1 << 16, (stored_elements(fmt, shape),), generator=g, dtype=torch.int32)
+    storage = storage.to(torch.int16).view(torch.bfloat16)
+    scales, codes = quantized_base._parts(fmt, shape, storage)
+    if fmt == "fp8":
+        raw = codes.view(torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x7E
+    scales.copy_(torch.logspace(-140, 120, scales.numel(), base=2)[torch.randperm(scales.numel(), generator=g)])
+    return storage.to(device)
+
+
+@pytest.mark.parametrize("shape", [torch.Size((96, 320)), torch.Size((3, 64)), torch.Size((257, 192))], ids=str)
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_the_dequantize_op_gives_the_torch_rules_bits_for_every_code_and_scale(fmt, shape) -> None:
+    storage = _any_storage(fmt, shape)
+    by_op, by_torch = (torch.empty(shape, dtype=torch.bfloat16) for _ in range(2))
+    dequantize(fmt, shape, storage, by_op, native=True)
+    dequantize(fmt, shape, storage, by_torch, native=False)
+    assert torch.equal(by_op.view(torch.int16), by_torch.view(torch.int16))
+
+
+def test_the_dequantize_op_refuses_a_storage_it_cannot_read_with_one_line_naming_the_fix() -> None:
+    shape = torch.Size((4, 64))
+    storage, out = _any_storage("nf4", shape), torch.empty(shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="unknown format 'int4'; expected int8, fp8 or nf4"):
+        offload_ext.ops.dequantize_base(storage, "int4", shape, out.view(-1))
+    with pytest.raises(RuntimeError, match=r"expected storage to have \d+ bf16 elements \(int8 scales and codes"):
+        offload_ext.ops.dequantize_base(storage, "int8", shape, out.view(-1))
+    with pytest.raises(RuntimeError, match="nf4 holds whole blocks of 64 elements; a 3 x 20 weight has 60"):
+        offload_ext.ops.dequantize_base(storage, "nf4", torch.Size((3, 20)), out.view(-1)[:60])
+    shifted = torch.empty(storage.numel() + 1, dtype=torch.bfloat16)[1:]
+    with pytest.raises(RuntimeError, match="expected storage to start 4-byte aligned"):
+        offload_ext.ops.dequantize_base(shifted, "nf4", shape, out.view(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", BASE_DTYPES)
+def test_the_dequantize_op_gives_the_same_bits_on_the_gpu_as_on_the_host(fmt) -> None:
+    shape = torch.Size((65537, 320))  # more rows than the kernel's grid has along y, two of its blocks along x
+    storage = _any_storage(fmt, shape)
+    host, device = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    dequantize(fmt, shape, storage, host, native=True)
+    dequantize(fmt, shape, storage.cuda(), device, native=True)
+    assert torch.equal(device.cpu().view(torch.int16), host.view(torch.int16))
 
 
 @pytest.mark.parametrize("fmt", BASE_DTYPES)
@@ -213,5 +263,5 @@ def test_the_plan_counts_the_quantized_base_in_fewer_host_bytes() -> None:
     frozen = sum(m.weight.numel() for m in layer.modules()
                  if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad)
     gpu = dict(gpu.static)
-    assert gpu["quantized base dequantized (one layer per stack, bf16, and a chunk's temporaries)"] == \
-        2 * frozen + quantized_base.DEQUANT_TEMP_BYTES
+    assert gpu["quantized base dequantized (one layer per stack, bf16, and any temporaries)"] == \
+        2 * frozen + quantized_base.dequantize_temp_bytes()

@@ -1,7 +1,8 @@
 """torch.library.opcheck on every native op: schema mutation annotations, fake kernels, autograd registration
 and AOT dispatch; on the CPU always, on CUDA (the AdamW, cross-entropy and sum-of-squares kernels) where a GPU
 is present. Then the CUDA AdamW step against the CPU kernel's bits, the sum of squares against an exact
-reference, and the bf16-sr stores against the torch-op rule, bit for bit."""
+reference, and the bf16-sr stores against the torch-op rule, bit for bit (the base's dequantization against its
+rule: tests/models/test_quantized_base.py)."""
 from __future__ import annotations
 
 import math
@@ -277,3 +278,14 @@ def test_sr_round_bf16_refuses_a_span_across_a_key_block_and_mismatched_buffers(
         ops.sr_round_bf16(p, m, v, outs[0], outs[1], v.clone(), seed=0, stream=0, step=1, offset=0)
     with pytest.raises(RuntimeError, match="expected param to have 8 elements"):
         ops.sr_round_bf16(p, m, v, outs[0][:4], outs[1], outs[2], seed=0, stream=0, step=1, offset=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4"])
+def test_dequantize_base_passes_opcheck(device: str, fmt: str) -> None:
+    from offload_ext.models.quantized_base import quantize_into, stored_elements
+    w = (torch.randn(6, 128, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    storage = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16)
+    quantize_into(fmt, w, storage)
+    out = torch.empty(w.numel(), dtype=torch.bfloat16, device=device)
+    torch.library.opcheck(torch.ops.offload_ext.dequantize_base.default, (storage.to(device), fmt, 6, 128, out))

@@ -82,3 +82,15 @@ def test_the_engine_on_a_gpu_lays_itself_out_by_default_and_every_other_run_keep
     args.backend = "native"
     machine.apply_defaults(args, True)
     assert (args.resident_layers, args.device_layers) == ("auto", 4)  # a flag given stays as given
+
+
+@pytest.mark.parametrize("precision, resident, said", [("bf16-8bit-sr", "3", True), ("bf16-8bit", "0", False),
+                                                        ("bf16-sr", "3", False)])
+def test_a_dry_run_in_8_bit_moments_says_the_resident_layers_step_without_them(capsys, precision, resident,
+                                                                                  said) -> None:
+    train.main(["--dry-run", "--device", "cuda", "--gpu-memory", "24GB", "--host-memory", "125GB", "--model",
+                "llama-1b", "--precision", precision, "--resident-layers", resident])
+    note = [x for x in capsys.readouterr().out.splitlines() if "resident layers step on the GPU" in x]
+    expected = [f"offload-train: the 3 resident layers step on the GPU in {precision.replace('-8bit', '')}, bf16 "
+                "moments; the 8-bit moments are the streamed layers' (--resident-layers 0 streams them all)"]
+    assert note == (expected if said else [])

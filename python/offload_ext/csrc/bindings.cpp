@@ -15,6 +15,7 @@
 #include "ops/adamw8bit_op.h"
 #include "ops/adamw_op.h"
 #include "ops/cross_entropy.h"
+#include "ops/dequantize.h"
 #include "ops/sr_round.h"
 #include "ops/sum_squares.h"
 
@@ -106,6 +107,7 @@ TORCH_LIBRARY(offload_ext, m) {
   m.def(
       "sr_round_bf16(Tensor param32, Tensor exp_avg32, Tensor exp_avg_sq32, Tensor(a!) param, Tensor(b!) exp_avg, "
       "Tensor(c!) exp_avg_sq, int seed, int stream, int step, int offset) -> ()");
+  m.def("dequantize_base(Tensor storage, str fmt, int rows, int cols, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
@@ -115,6 +117,7 @@ TORCH_LIBRARY_IMPL(offload_ext, CPU, m) {
   m.impl("cross_entropy_rows_backward", &offload_ext::cross_entropy_rows_backward_cpu);
   m.impl("sum_squares", &offload_ext::sum_squares_cpu);
   m.impl("sr_round_bf16", &offload_ext::sr_round_bf16_cpu);
+  m.impl("dequantize_base", &offload_ext::dequantize_base_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

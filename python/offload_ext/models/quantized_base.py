@@ -21,6 +21,8 @@ import functools
 import torch
 from torch import nn
 
+from offload_ext import ops
+
 BASE_DTYPES = ("int8", "fp8", "nf4")
 NF4_BLOCK = 64  # QLoRA's block size
 # Elements dequantized at a time: the fp32 (and NF4's int32) temporaries stay ~200 MB however large the weight
@@ -111,7 +113,8 @@ def quantize_into(fmt: str, weight: torch.Tensor, storage: torch.Tensor) -> None
             scaled = torch.round(part * (127.0 / absmax.clamp(min=1e-38).unsqueeze(1)))
             codes.view(torch.int8)[span].copy_(scaled.reshape(-1))
         else:
-            absmax = absmax / _FP8_MAX
+            # a tensor divisor: CUDA divides by a Python number as a product with its reciprocal, a bit off
+            absmax = absmax / torch.full_like(absmax, _FP8_MAX)
             scaled = torch.clamp(part.float() / absmax.clamp(min=1e-38).unsqueeze(1), -_FP8_MAX, _FP8_MAX)
             codes[span].copy_(scaled.reshape(-1))
         scales[r:r + part.shape[0]].copy_(absmax)
@@ -122,9 +125,24 @@ def _levels(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)  # once a device: no copy up at each bind
 
 
-def dequantize(fmt: str, shape: torch.Size, storage: torch.Tensor, out: torch.Tensor) -> None:
-    """`out` (bf16, of `shape`) from a weight held in `fmt` in `storage`, on the device both are on, DEQUANT_CHUNK
-    elements at a time."""
+def dequantize(fmt: str, shape: torch.Size, storage: torch.Tensor, out: torch.Tensor,
+               native: bool | None = None) -> None:
+    """`out` (bf16, of `shape`) from a weight held in `fmt` in `storage`, on the device both are on: by the
+    extension's one-pass op where it is built for the device (native=None), or by torch ops (native=False: the
+    reference rule, the same bits)."""
+    if ops.native_on(storage.device.type) if native is None else native:
+        ops.dequantize_base(storage, fmt, shape, out.view(-1))
+    else:
+        dequantize_torch(fmt, shape, storage, out)
+
+
+def dequantize_temp_bytes(device_type: str = "cuda") -> int:
+    """The device bytes a dequantization takes beyond its output: none by the op, one chunk's by torch ops."""
+    return 0 if ops.native_on(device_type) else DEQUANT_TEMP_BYTES
+
+
+def dequantize_torch(fmt: str, shape: torch.Size, storage: torch.Tensor, out: torch.Tensor) -> None:
+    """dequantize's rule in torch ops, DEQUANT_CHUNK elements at a time (~30 bytes of memory traffic an element)."""
     scales, codes = _parts(fmt, shape, storage)
     flat = out.view(-1)
     if fmt == "nf4":

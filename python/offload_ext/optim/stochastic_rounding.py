@@ -9,13 +9,12 @@ is built for the tensors' device, else through `store_sr_torch`, the rule in tor
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 
 import torch
 from torch.optim.adamw import adamw as _fused_adamw
 
-from offload_ext import _ext, ops
+from offload_ext import ops
 
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
@@ -104,20 +103,12 @@ def store_sr_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, param: tor
     exp_avg_sq.copy_(round_sr(v, word >> 16))
 
 
-@functools.cache
-def native_stores_on(device_type: str) -> bool:
-    """Whether the extension's sr_round_bf16 op is built for this kind of device."""
-    if not _ext.available():
-        return False
-    return device_type == "cpu" or (device_type == "cuda" and bool(_ext.native().native_info()["cuda"]))
-
-
 def store_sr(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, *, seed: int, stream: int, step: int, index: int,
              native: bool | None = None) -> None:
     """store_sr_torch's stores, by the extension's one-pass op where it is built for the device (native=None),
     or by torch ops (native=False: the reference)."""
-    if native_stores_on(p.device.type) if native is None else native:
+    if ops.native_on(p.device.type) if native is None else native:
         ops.sr_round_bf16(p, m, v, param, exp_avg, exp_avg_sq, seed=seed, stream=stream, step=step, offset=index)
     else:
         store_sr_torch(p, m, v, param, exp_avg, exp_avg_sq, seed=seed, stream=stream, step=step, index=index)

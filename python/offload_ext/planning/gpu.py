@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from offload_ext.config import eight_bit
-from offload_ext.models.quantized_base import DEQUANT_TEMP_BYTES
+from offload_ext.models.quantized_base import dequantize_temp_bytes
 from offload_ext.planning.layout import Layout
 
 if TYPE_CHECKING:  # choices.py imports this module for device_free_bytes
@@ -187,8 +187,8 @@ class DeviceFacts:
         no_recompute = kept_per_stack * len(layout.stacks)
         dequantized = sum(2 * max(sum(s.numel for s in u.spans if s.quant) for u in part.units)
                           for part in layout.stacks if part.units)
-        if dequantized:  # the chunk's temporaries, once: layers dequantize one after another
-            dequantized += DEQUANT_TEMP_BYTES
+        if dequantized:  # the temporaries, once: layers dequantize one after another
+            dequantized += dequantize_temp_bytes()
         return cls(sum(p.numel() for p in outer), sum(p.numel() for p in outer if trains(p)),
                    sum(p.numel() for p in kept), sum(p.numel() for p in kept if trains(p)),
                    sum(p.numel() for p in side), head_grad, embedding_grad, head_grad > 0 and head is embedding,
@@ -260,7 +260,7 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
               ("their optimizer state" + kind, state * f.outer_trainable),
               ("resident layers (params and optimizer state)", 2 * f.resident + state * f.resident_trainable),
               (f"layer buffers ({f.ring_layers} per stack, bf16)", f.ring),
-              ("quantized base dequantized (one layer per stack, bf16, and a chunk's temporaries)", f.dequantized),
+              ("quantized base dequantized (one layer per stack, bf16, and any temporaries)", f.dequantized),
               ("gradient buffers" + (" (a sum per layer)" if choices.rule.sums_on_device else ""), f.grad_buffers),
               ("clipped redos on the device",
                0 if frozen else redo_buffer_bytes(choices.layout, choices.device_redo_units, precision))]

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from offload_ext.config import device_precision, eight_bit
 from offload_ext.models.lora import add_lora
 from offload_ext.models.weights import from_config_empty
 from offload_ext.planning.auto_layout import choose_layout
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
     _resolve_layout(args, model, device, resume_from)
+    _note_device_precision(args)
     memory = None
     if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
         memory = _plan(args, model, device)
@@ -224,6 +226,15 @@ def _resolve_layout(args: argparse.Namespace, model: torch.nn.Module, device: to
               f"({reason})", flush=True)
 
 
+def _note_device_precision(args: argparse.Namespace) -> None:
+    """An 8-bit precision's moments are the streamed layers' alone (the device's optimizer has none): said where
+    layers stay on the GPU, so that nobody reads a run mostly resident as a run of 8-bit moments."""
+    if eight_bit(args.precision) and args.resident_layers and dist_rank() == 0:
+        print(f"offload-train: the {args.resident_layers} resident layers step on the GPU in "
+              f"{device_precision(args.precision)}, bf16 moments; the 8-bit moments are the streamed layers' "
+              "(--resident-layers 0 streams them all)", flush=True)
+
+
 def _planned_device(args: argparse.Namespace) -> torch.device:
     """The device a dry run plans for: a CUDA one even where there is none (its size from --gpu-memory)."""
     if args.device == "cpu-sim":
@@ -252,6 +263,7 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
     model, _ = from_config_empty(model_config(args, planned_vocab(args)), seed=args.seed)
     model = _with_lora(args, model)
     _resolve_layout(args, model, device, None)
+    _note_device_precision(args)
     memory = _plan(args, model, device)
     print(memory, flush=True)
     if not memory.fits:
