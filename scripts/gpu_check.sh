@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build the extension, run the tests (GPU ones included) and the
-# benchmarks, writing logs and results under $OUT. Steps: build test adamw adamw-tune pin train
+# benchmarks, writing logs and results under $OUT. Steps: build test dequant adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # precision-curves-b1
 # sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
@@ -100,6 +100,7 @@ for step in "${steps[@]}"; do
     build) run build python3 -m pip install --no-build-isolation -v -e . && python3 -m offload_ext | tee "$OUT/build_info.json" ;;
     test) run test python3 -m pytest -q -rs tests ;;
     test-gpu) run test_gpu python3 -m pytest -q -rs -m gpu ${TEST_K:+-k "$TEST_K"} tests ;;  # TEST_K: a -k selection
+    dequant) run dequant python3 benchmarks/bench_dequant.py ;;  # a 70 B base weight dequantized each way there is
     train-1b)  # issue 4: offload-train on the 1B shape, interrupted half way and resumed
       export OFFLOAD_TRAIN_NO_BAR=1
       run train_1b_a offload-train --model llama-1b --batch-size 4 --seq-len 2048 --steps 24 --stop-after 12 \

@@ -1,6 +1,8 @@
-// dequantize_base on CUDA: one thread an element, the element rules of dequantize.h (the CPU kernel's), so the
-// bits are the CPU op's and the torch-op rule's. Rows along the grid's y (one scale load a block), NF4's levels
-// in shared memory (a constant table serializes a warp's different codes).
+// dequantize_base on CUDA, the element rules of dequantize.h (the CPU kernel's), so the bits are the CPU op's and
+// the torch-op rule's. Eight elements a thread where the spans are aligned for it (4-byte loads of codes, one
+// 16-byte store): a byte a thread kept too few loads in flight to fill the memory system. Otherwise one
+// element a thread. Rows along the grid's y (one scale load a row), NF4's levels in shared memory (a constant
+// table serializes a warp's different codes).
 #include "dequantize.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -16,6 +18,17 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = 65535;
 
+// Two bf16 in one word, the first at the lower address.
+__device__ inline uint32_t pack2(uint16_t first, uint16_t second) {
+  return static_cast<uint32_t>(first) | (static_cast<uint32_t>(second) << 16);
+}
+
+template <BaseFormat F>
+__device__ inline uint16_t dequant_row_code(uint32_t code, float s) {
+  return F == BaseFormat::kInt8 ? dequant_int8(static_cast<uint8_t>(code), s)
+                                : dequant_fp8(static_cast<uint8_t>(code), s);
+}
+
 template <BaseFormat F>
 __global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const float* __restrict__ scales,
                                                                     const uint8_t* __restrict__ codes,
@@ -26,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const float* 
     const int64_t base = r * cols;
     for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < cols;
          c += static_cast<int64_t>(gridDim.x) * kThreads) {
-      out[base + c] = F == BaseFormat::kInt8 ? dequant_int8(codes[base + c], s) : dequant_fp8(codes[base + c], s);
+      out[base + c] = dequant_row_code<F>(codes[base + c], s);
     }
   }
 }
@@ -43,6 +56,78 @@ __global__ void __launch_bounds__(kThreads) dequantize_nf4_kernel(const float* _
   }
 }
 
+// Eight codes of two words (little-endian: code k of a word in its bits 8k..8k+7) to one 16-byte store.
+template <BaseFormat F>
+__device__ inline uint4 dequant_row8(uint32_t lo, uint32_t hi, float s) {
+  uint4 v;
+  v.x = pack2(dequant_row_code<F>(lo, s), dequant_row_code<F>(lo >> 8, s));
+  v.y = pack2(dequant_row_code<F>(lo >> 16, s), dequant_row_code<F>(lo >> 24, s));
+  v.z = pack2(dequant_row_code<F>(hi, s), dequant_row_code<F>(hi >> 8, s));
+  v.w = pack2(dequant_row_code<F>(hi >> 16, s), dequant_row_code<F>(hi >> 24, s));
+  return v;
+}
+
+template <BaseFormat F>
+__global__ void __launch_bounds__(kThreads) dequantize_rows8_kernel(const float* __restrict__ scales,
+                                                                     const uint8_t* __restrict__ codes,
+                                                                     uint16_t* __restrict__ out, int64_t rows,
+                                                                     int64_t cols) {
+  const int64_t groups = cols / 8;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float s = scales[r];
+    // words, not pairs: a span's codes follow its fp32 scales, 4-byte aligned but not always 8
+    const auto* in = reinterpret_cast<const uint32_t*>(codes + r * cols);
+    auto* o = reinterpret_cast<uint4*>(out + r * cols);
+    for (int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
+         g += static_cast<int64_t>(gridDim.x) * kThreads) {
+      o[g] = dequant_row8<F>(in[2 * g], in[2 * g + 1], s);
+    }
+  }
+}
+
+// Eight NF4 elements (four bytes, one scale: a block of 64 holds whole groups of eight) to one 16-byte store.
+__global__ void __launch_bounds__(kThreads) dequantize_nf4_8_kernel(const float* __restrict__ scales,
+                                                                     const uint32_t* __restrict__ codes,
+                                                                     uint4* __restrict__ out, int64_t groups) {
+  __shared__ float levels[16];
+  if (threadIdx.x < 16) levels[threadIdx.x] = nf4_level(threadIdx.x);
+  __syncthreads();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups; g += stride) {
+    const uint32_t c = codes[g];
+    const float s = scales[g / (kNf4Block / 8)];
+    uint16_t e[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // byte k: elements 2k (high nibble) and 2k + 1
+      const uint32_t byte = (c >> (8 * k)) & 0xFF;
+      e[2 * k] = bf16_round_bits(levels[byte >> 4] * s);
+      e[2 * k + 1] = bf16_round_bits(levels[byte & 0xF] * s);
+    }
+    out[g] = make_uint4(pack2(e[0], e[1]), pack2(e[2], e[3]), pack2(e[4], e[5]), pack2(e[6], e[7]));
+  }
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+unsigned flat_grid(int64_t items) {
+  return static_cast<unsigned>(std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxGrid * 16));
+}
+
+dim3 rows_grid(int64_t rows, int64_t cols) {
+  return dim3(static_cast<unsigned>(std::min<int64_t>((cols + kThreads - 1) / kThreads, kMaxGrid)),
+              static_cast<unsigned>(std::min<int64_t>(rows, kMaxGrid)));
+}
+
+template <BaseFormat F>
+void launch_rows(const float* scales, const uint8_t* codes, uint16_t* o, int64_t rows, int64_t cols,
+                 cudaStream_t stream) {
+  if (cols % 8 == 0 && aligned(codes, 4) && aligned(o, 16)) {
+    dequantize_rows8_kernel<F><<<rows_grid(rows, cols / 8), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+  } else {
+    dequantize_rows_kernel<F><<<rows_grid(rows, cols), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+  }
+}
+
 void dequantize_base_cuda(const at::Tensor& storage, const std::string& fmt, int64_t rows, int64_t cols,
                           const at::Tensor& out) {
   const BaseFormat f = check_dequantize_args(storage, fmt, rows, cols, out);
@@ -54,16 +139,16 @@ void dequantize_base_cuda(const at::Tensor& storage, const std::string& fmt, int
   const auto* codes = reinterpret_cast<const uint8_t*>(scales + base_scale_count(f, rows, cols));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (f == BaseFormat::kNf4) {
-    const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxGrid * 16));
-    dequantize_nf4_kernel<<<blocks, kThreads, 0, stream>>>(scales, codes, o, n);
-  } else {
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>((cols + kThreads - 1) / kThreads, kMaxGrid)),
-                    static_cast<unsigned>(std::min<int64_t>(rows, kMaxGrid)));
-    if (f == BaseFormat::kInt8) {
-      dequantize_rows_kernel<BaseFormat::kInt8><<<grid, kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+    if (aligned(codes, 4) && aligned(o, 16)) {  // n is whole blocks of 64: whole groups of eight
+      dequantize_nf4_8_kernel<<<flat_grid(n / 8), kThreads, 0, stream>>>(
+          scales, reinterpret_cast<const uint32_t*>(codes), reinterpret_cast<uint4*>(o), n / 8);
     } else {
-      dequantize_rows_kernel<BaseFormat::kFp8><<<grid, kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+      dequantize_nf4_kernel<<<flat_grid(n), kThreads, 0, stream>>>(scales, codes, o, n);
     }
+  } else if (f == BaseFormat::kInt8) {
+    launch_rows<BaseFormat::kInt8>(scales, codes, o, rows, cols, stream);
+  } else {
+    launch_rows<BaseFormat::kFp8>(scales, codes, o, rows, cols, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
