@@ -156,6 +156,14 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: st
     return paths
 
 
+def publish(stem: str, payload: dict[str, Any], lines: list[str]) -> None:
+    """A benchmark's table printed, then written with its payload (write_results), each file's path printed."""
+    markdown = "\n".join(lines)
+    print("\n" + markdown)
+    for path in write_results(stem, payload, markdown):
+        print(f"wrote {path}")
+
+
 def _proc_kb(path: str, key: str) -> float:
     """A "Key: N kB" field of a /proc file (nan when absent)."""
     with open(path) as f:

@@ -1,7 +1,8 @@
 """The resident peers of a LoRA run on a quantized base (bench_train's -baseint8/-basefp8/-basenf4 on resident
 modes): NF4 is bitsandbytes' QLoRA as peft users run it (Linear4bit, NF4 with its absmax quantized again, bf16
 compute); int8 and fp8 keep the engine's own storage on the GPU and dequantize each layer's base into one bf16
-buffer before it runs (what the offloaded run does after its copies), every layer recomputed."""
+buffer before it runs, each linear its own part of it (what the offloaded run does after its copies), every layer
+recomputed: a layer's backward reads the weights its recompute dequantized."""
 from __future__ import annotations
 
 import torch
@@ -16,29 +17,33 @@ def hold_base(model: nn.Module, fmt: str, device: str, weights: WeightSource) ->
     """The frozen linear weights of `model`'s layers held in `fmt` on `device`, as described above, each read from
     `weights` where it is still on the meta device: one matrix at a time in bf16 (the 70 B shape's base would not
     fit the host, nor the GPU, whole in bf16)."""
-    linears = [m for _, stack in find_layer_stacks(model) for layer in stack for m in quantized_linears(layer, fmt)]
+    layers = [quantized_linears(layer, fmt) for _, stack in find_layer_stacks(model) for layer in stack]
 
     def value(m: nn.Linear) -> torch.Tensor:
         p = m.weight
         return weights.value(p, device) if p.is_meta else p.detach().to(device)
     if fmt == "nf4":
-        for m in linears:
+        for m in (m for linears in layers for m in linears):
             _to_linear4bit(model, m, value(m), device)
         return
     # Every weight's storage and the bf16 buffer they dequantize into, allocated before the first weight is read:
     # the reads' transients between persistent allocations left 30 GiB of the 70 B base's GPU reserved but unusable
-    sizes = [stored_elements(fmt, m.weight.shape) for m in linears]
-    held = torch.empty(sum(sizes), dtype=torch.bfloat16, device=device)
-    scratch = torch.empty(max(m.weight.numel() for m in linears), dtype=torch.bfloat16, device=device)
-    for m, storage in zip(linears, held.split(sizes)):
-        shape = m.weight.shape
-        quantize_into(fmt, value(m), storage)
-        make_real(m.weight, scratch[:shape.numel()].view(shape))
+    sizes = [stored_elements(fmt, m.weight.shape) for linears in layers for m in linears]
+    held = iter(torch.empty(sum(sizes), dtype=torch.bfloat16, device=device).split(sizes))
+    scratch = torch.empty(max(sum(m.weight.numel() for m in linears) for linears in layers), dtype=torch.bfloat16,
+                          device=device)
+    for linears in layers:
+        at = 0
+        for m in linears:
+            shape, storage = m.weight.shape, next(held)
+            quantize_into(fmt, value(m), storage)
+            make_real(m.weight, scratch[at:at + shape.numel()].view(shape))
+            at += shape.numel()
 
-        def dequantize_first(module: nn.Module, args: tuple, storage=storage, shape=shape) -> None:
-            dequantize(fmt, shape, storage, module.weight.data)
-        m.register_forward_pre_hook(dequantize_first)
-    if held.is_cuda:
+            def dequantize_first(module: nn.Module, args: tuple, storage=storage, shape=shape) -> None:
+                dequantize(fmt, shape, storage, module.weight.data)
+            m.register_forward_pre_hook(dequantize_first)
+    if scratch.is_cuda:
         torch.cuda.empty_cache()  # the reads' transients, handed back before the steps allocate
 
 

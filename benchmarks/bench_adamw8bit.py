@@ -94,12 +94,9 @@ def main() -> None:
              "| implementation | s/step | M elements/s | GB/s | time / bf16's |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['seconds']:.4f} | {r['elements_per_s'] / 1e6:.1f} | {r['gb_per_s']:.1f} | "
               f"{r['seconds'] / base:.2f}x |" for r in rows]
-    markdown = "\n".join(lines)
-    print("\n" + markdown)
     payload = {"workload": {"tensors": a.tensors, "elements_per_tensor": n, "total_elements": total,
                             "threads": a.threads, "simd": simd}, "rows": rows}
-    for path in _common.write_results(a.stem or f"adamw8bit_{a.threads}t", payload, markdown):
-        print(f"wrote {path}")
+    _common.publish(a.stem or f"adamw8bit_{a.threads}t", payload, lines)
 
 
 if __name__ == "__main__":

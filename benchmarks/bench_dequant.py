@@ -91,11 +91,8 @@ def main() -> None:
              "| format | way | ms | GB/s | time / the op's | the op's bits |", "|---|---|---:|---:|---:|---|"]
     lines += [f"| {r['format']} | {r['way']} | {r['seconds'] * 1e3:.3f} | {r['gb_per_s']:.1f} | "
               f"{r['seconds'] / op[r['format']]:.2f}x | {'yes' if r['same_bits'] else 'no'} |" for r in rows]
-    markdown = "\n".join(lines)
-    print("\n" + markdown)
-    payload = {"workload": {"rows": a.rows, "cols": a.cols, "device": where}, "rows": rows}
-    for path in _common.write_results(a.stem or f"dequant_{device.type}", payload, markdown):
-        print(f"wrote {path}")
+    _common.publish(a.stem or f"dequant_{device.type}", {"workload": {"rows": a.rows, "cols": a.cols,
+                                                                     "device": where}, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

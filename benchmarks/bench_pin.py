@@ -55,10 +55,7 @@ def main() -> None:
     lines = [f"Page-locking {a.gb} GB (best of {a.repeat}, fresh process each)", "",
              "| variant | s | GB/s |", "|---|---:|---:|"]
     lines += [f"| {r['variant']} | {r['seconds']:.3f} | {r['gb_per_s']:.1f} |" for r in rows]
-    markdown = "\n".join(lines)
-    print("\n" + markdown)
-    for path in _common.write_results("pin", {"args": vars(a), "rows": rows}, markdown):
-        print(f"wrote {path}")
+    _common.publish("pin", {"args": vars(a), "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -821,11 +821,8 @@ def main() -> None:
         bound = fwd + 1.1 * mixed["a1_mixed_kernel_s"]
         lines += ["", f"{mixed['mode']}: step {mixed['step_s']:.4f} s vs forward ({source}) + 1.1 x mixed kernel "
                       f"({fwd:.4f} + 1.1 x {mixed['a1_mixed_kernel_s']:.4f}) = {bound:.4f} s"]
-    markdown = "\n".join(lines)
-    print("\n" + markdown)
     stem = a.stem or f"train_{a.preset}" + ("_compile" if a.compile else "")
-    for path in _common.write_results(stem, {"args": vars(a), "params": n_params, "rows": rows}, markdown):
-        print(f"wrote {path}")
+    _common.publish(stem, {"args": vars(a), "params": n_params, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

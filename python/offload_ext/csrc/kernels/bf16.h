@@ -31,8 +31,7 @@ OFFLOAD_EXT_HD inline uint16_t bf16_round_bits(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-OFFLOAD_EXT_HD inline float bf16_to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+OFFLOAD_EXT_HD inline float bits_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
@@ -41,6 +40,8 @@ OFFLOAD_EXT_HD inline float bf16_to_float(uint16_t bits) {
   return f;
 #endif
 }
+
+OFFLOAD_EXT_HD inline float bf16_to_float(uint16_t bits) { return bits_float(static_cast<uint32_t>(bits) << 16); }
 
 }  // namespace
 }  // namespace offload_ext

@@ -42,22 +42,12 @@ OFFLOAD_EXT_HD inline uint16_t dequant_int8(uint8_t code, float absmax) {
 OFFLOAD_EXT_HD inline float e4m3_to_float(uint8_t code) {
   const uint32_t sign = static_cast<uint32_t>(code >> 7) << 31;
   const uint32_t e = (code >> 3) & 0xF, m = code & 0x7;
-  uint32_t bits;
-  if (e == 0xF && m == 0x7) {
-    bits = sign | 0x7fc00000u;
-  } else if (e == 0) {
+  if (e == 0xF && m == 0x7) return bits_float(sign | 0x7fc00000u);
+  if (e == 0) {
     const float sub = static_cast<float>(m) * 0.001953125f;  // 2^-9: exact
     return code >> 7 ? -sub : sub;
-  } else {
-    bits = sign | ((e + 120) << 23) | (m << 20);
   }
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
+  return bits_float(sign | ((e + 120) << 23) | (m << 20));
 }
 
 OFFLOAD_EXT_HD inline uint16_t dequant_fp8(uint8_t code, float scale) {

@@ -1,8 +1,7 @@
 // dequantize_base on CUDA, the element rules of dequantize.h (the CPU kernel's), so the bits are the CPU op's and
 // the torch-op rule's. Eight elements a thread where the spans are aligned for it (4-byte loads of codes, one
 // 16-byte store): a byte a thread kept too few loads in flight to fill the memory system. Otherwise one
-// element a thread. Rows along the grid's y (one scale load a row), NF4's levels in shared memory (a constant
-// table serializes a warp's different codes).
+// element a thread. Rows along the grid's y (one scale load a row).
 #include "dequantize.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -29,31 +28,10 @@ __device__ inline uint16_t dequant_row_code(uint32_t code, float s) {
                                 : dequant_fp8(static_cast<uint8_t>(code), s);
 }
 
-template <BaseFormat F>
-__global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const float* __restrict__ scales,
-                                                                    const uint8_t* __restrict__ codes,
-                                                                    uint16_t* __restrict__ out, int64_t rows,
-                                                                    int64_t cols) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float s = scales[r];
-    const int64_t base = r * cols;
-    for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < cols;
-         c += static_cast<int64_t>(gridDim.x) * kThreads) {
-      out[base + c] = dequant_row_code<F>(codes[base + c], s);
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kThreads) dequantize_nf4_kernel(const float* __restrict__ scales,
-                                                                   const uint8_t* __restrict__ codes,
-                                                                   uint16_t* __restrict__ out, int64_t n) {
-  __shared__ float levels[16];
+// The block's copy of the 16 levels (a constant table serializes a warp's different codes; shared memory does not).
+__device__ inline void load_nf4_levels(float* levels) {
   if (threadIdx.x < 16) levels[threadIdx.x] = nf4_level(threadIdx.x);
   __syncthreads();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    out[i] = bf16_round_bits(levels[nf4_code(codes, i)] * scales[i / kNf4Block]);
-  }
 }
 
 // Eight codes of two words (little-endian: code k of a word in its bits 8k..8k+7) to one 16-byte store.
@@ -67,43 +45,55 @@ __device__ inline uint4 dequant_row8(uint32_t lo, uint32_t hi, float s) {
   return v;
 }
 
-template <BaseFormat F>
-__global__ void __launch_bounds__(kThreads) dequantize_rows8_kernel(const float* __restrict__ scales,
-                                                                     const uint8_t* __restrict__ codes,
-                                                                     uint16_t* __restrict__ out, int64_t rows,
-                                                                     int64_t cols) {
-  const int64_t groups = cols / 8;
+// kEight: eight elements a thread (codes read as words, not pairs: a span's codes follow its fp32 scales, 4-byte
+// aligned but not always 8; one 16-byte store), each row of whole groups of eight; else one element a thread.
+template <BaseFormat F, bool kEight>
+__global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const float* __restrict__ scales,
+                                                                    const uint8_t* __restrict__ codes,
+                                                                    uint16_t* __restrict__ out, int64_t rows,
+                                                                    int64_t cols) {
+  const int64_t items = kEight ? cols / 8 : cols;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float s = scales[r];
-    // words, not pairs: a span's codes follow its fp32 scales, 4-byte aligned but not always 8
-    const auto* in = reinterpret_cast<const uint32_t*>(codes + r * cols);
-    auto* o = reinterpret_cast<uint4*>(out + r * cols);
-    for (int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
-         g += static_cast<int64_t>(gridDim.x) * kThreads) {
-      o[g] = dequant_row8<F>(in[2 * g], in[2 * g + 1], s);
+    const uint8_t* in = codes + r * cols;
+    uint16_t* o = out + r * cols;
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < items;
+         c += static_cast<int64_t>(gridDim.x) * kThreads) {
+      if constexpr (kEight) {
+        const auto* words = reinterpret_cast<const uint32_t*>(in);
+        reinterpret_cast<uint4*>(o)[c] = dequant_row8<F>(words[2 * c], words[2 * c + 1], s);
+      } else {
+        o[c] = dequant_row_code<F>(in[c], s);
+      }
     }
   }
 }
 
-// Eight NF4 elements (four bytes, one scale: a block of 64 holds whole groups of eight) to one 16-byte store.
-__global__ void __launch_bounds__(kThreads) dequantize_nf4_8_kernel(const float* __restrict__ scales,
-                                                                     const uint32_t* __restrict__ codes,
-                                                                     uint4* __restrict__ out, int64_t groups) {
+// kEight: eight elements a thread (four code bytes, one scale: a block of 64 holds whole groups of eight; one
+// 16-byte store), `items` groups of eight; else one element a thread, `items` elements.
+template <bool kEight>
+__global__ void __launch_bounds__(kThreads) dequantize_nf4_kernel(const float* __restrict__ scales,
+                                                                   const uint8_t* __restrict__ codes,
+                                                                   uint16_t* __restrict__ out, int64_t items) {
   __shared__ float levels[16];
-  if (threadIdx.x < 16) levels[threadIdx.x] = nf4_level(threadIdx.x);
-  __syncthreads();
+  load_nf4_levels(levels);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups; g += stride) {
-    const uint32_t c = codes[g];
-    const float s = scales[g / (kNf4Block / 8)];
-    uint16_t e[8];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items; i += stride) {
+    if constexpr (kEight) {
+      const uint32_t c = reinterpret_cast<const uint32_t*>(codes)[i];
+      const float s = scales[i / (kNf4Block / 8)];
+      uint16_t e[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {  // byte k: elements 2k (high nibble) and 2k + 1
-      const uint32_t byte = (c >> (8 * k)) & 0xFF;
-      e[2 * k] = bf16_round_bits(levels[byte >> 4] * s);
-      e[2 * k + 1] = bf16_round_bits(levels[byte & 0xF] * s);
+      for (int k = 0; k < 4; ++k) {  // byte k: elements 2k (high nibble) and 2k + 1
+        const uint32_t byte = (c >> (8 * k)) & 0xFF;
+        e[2 * k] = bf16_round_bits(levels[byte >> 4] * s);
+        e[2 * k + 1] = bf16_round_bits(levels[byte & 0xF] * s);
+      }
+      reinterpret_cast<uint4*>(out)[i] =
+          make_uint4(pack2(e[0], e[1]), pack2(e[2], e[3]), pack2(e[4], e[5]), pack2(e[6], e[7]));
+    } else {
+      out[i] = bf16_round_bits(levels[nf4_code(codes, i)] * scales[i / kNf4Block]);
     }
-    out[g] = make_uint4(pack2(e[0], e[1]), pack2(e[2], e[3]), pack2(e[4], e[5]), pack2(e[6], e[7]));
   }
 }
 
@@ -113,8 +103,8 @@ unsigned flat_grid(int64_t items) {
   return static_cast<unsigned>(std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxGrid * 16));
 }
 
-dim3 rows_grid(int64_t rows, int64_t cols) {
-  return dim3(static_cast<unsigned>(std::min<int64_t>((cols + kThreads - 1) / kThreads, kMaxGrid)),
+dim3 rows_grid(int64_t rows, int64_t items) {  // items: a row's, one a thread
+  return dim3(static_cast<unsigned>(std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxGrid)),
               static_cast<unsigned>(std::min<int64_t>(rows, kMaxGrid)));
 }
 
@@ -122,9 +112,9 @@ template <BaseFormat F>
 void launch_rows(const float* scales, const uint8_t* codes, uint16_t* o, int64_t rows, int64_t cols,
                  cudaStream_t stream) {
   if (cols % 8 == 0 && aligned(codes, 4) && aligned(o, 16)) {
-    dequantize_rows8_kernel<F><<<rows_grid(rows, cols / 8), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+    dequantize_rows_kernel<F, true><<<rows_grid(rows, cols / 8), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
   } else {
-    dequantize_rows_kernel<F><<<rows_grid(rows, cols), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
+    dequantize_rows_kernel<F, false><<<rows_grid(rows, cols), kThreads, 0, stream>>>(scales, codes, o, rows, cols);
   }
 }
 
@@ -140,10 +130,9 @@ void dequantize_base_cuda(const at::Tensor& storage, const std::string& fmt, int
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (f == BaseFormat::kNf4) {
     if (aligned(codes, 4) && aligned(o, 16)) {  // n is whole blocks of 64: whole groups of eight
-      dequantize_nf4_8_kernel<<<flat_grid(n / 8), kThreads, 0, stream>>>(
-          scales, reinterpret_cast<const uint32_t*>(codes), reinterpret_cast<uint4*>(o), n / 8);
+      dequantize_nf4_kernel<true><<<flat_grid(n / 8), kThreads, 0, stream>>>(scales, codes, o, n / 8);
     } else {
-      dequantize_nf4_kernel<<<flat_grid(n), kThreads, 0, stream>>>(scales, codes, o, n);
+      dequantize_nf4_kernel<false><<<flat_grid(n), kThreads, 0, stream>>>(scales, codes, o, n);
     }
   } else if (f == BaseFormat::kInt8) {
     launch_rows<BaseFormat::kInt8>(scales, codes, o, rows, cols, stream);
