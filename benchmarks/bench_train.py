@@ -583,6 +583,7 @@ class _ModeRun:
         model, weights = build_model(a)
         trainable = None
         if mode.lora:
+            torch.manual_seed(0)  # peft draws the adapters from the global generator: the same in every mode and run
             model = add_lora(model, mode.lora, 2 * mode.lora, LORA_TARGETS)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = _common.model_flops_per_token(model.config, tokens.shape[-1], trainable)
