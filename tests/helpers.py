@@ -193,3 +193,24 @@ def shard_linears(model: nn.Module, mesh) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def held_in(fmt: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the storage, the dequantized bf16 weight) of `w` held in a quantized base format `fmt`."""
+    from offload_ext.models.quantized_base import dequantize, quantize_into, stored_elements
+
+    storage = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16)
+    quantize_into(fmt, w, storage)
+    out = torch.empty(w.shape, dtype=torch.bfloat16)
+    dequantize(fmt, w.shape, storage, out)
+    return storage, out
+
+
+def base_dequantized(model: nn.Module, fmt: str) -> nn.Module:
+    """A copy of a peft LoRA model whose layers' frozen linear weights are what `fmt` holds of them, in bf16."""
+    out = copy.deepcopy(model)
+    for layer in out.base_model.model.model.layers:
+        for m in layer.modules():
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad:
+                m.weight.data = held_in(fmt, m.weight.detach().bfloat16())[1]
+    return out

@@ -2,29 +2,19 @@
 recompute dequantized, each linear its own, so the adapters' gradients are those of the same base held in bf16."""
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import base_dequantized, tiny_llama
 from offload_ext.engine.layers import wrap_layer
-from offload_ext.models.quantized_base import dequantize, quantize_into, quantized_linears, stored_elements
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import _qlora
 
 peft = pytest.importorskip("peft")
-
-
-def _dequantized_in_place(model: torch.nn.Module) -> None:
-    for layer in model.base_model.model.model.layers:
-        for m in quantized_linears(layer, "int8"):
-            storage = torch.empty(stored_elements("int8", m.weight.shape), dtype=torch.bfloat16)
-            quantize_into("int8", m.weight.detach(), storage)
-            dequantize("int8", m.weight.shape, storage, m.weight.data)
 
 
 def test_the_int8_peer_backpropagates_through_each_linears_own_dequantized_weight() -> None:
@@ -34,8 +24,7 @@ def test_the_int8_peer_backpropagates_through_each_linears_own_dequantized_weigh
     for name, p in peer.named_parameters():  # lora_B starts at zero: let the gradients reach below it
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    reference = copy.deepcopy(peer)
-    _dequantized_in_place(reference)
+    reference = base_dequantized(peer, "int8")
     _qlora.hold_base(peer, "int8", "cpu", weights=None)  # every weight is real: read from the model
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     grads = []

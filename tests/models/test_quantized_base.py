@@ -9,21 +9,12 @@ import pytest
 import torch
 
 import offload_ext
-from helpers import batches, offloaded_training, tiny_llama
+from helpers import base_dequantized, batches, held_in, offloaded_training, tiny_llama
 from offload_ext.models import quantized_base
 from offload_ext.models.quantized_base import BASE_DTYPES, dequantize, quantize_into, stored_elements
 
 peft = pytest.importorskip("peft")
 SHAPES = [torch.Size((128, 256)), torch.Size((64, 64)), torch.Size((96, 320))]
-
-
-def _held(fmt: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the storage, the dequantized bf16 weight) of `w` held in `fmt`."""
-    storage = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16)
-    quantize_into(fmt, w, storage)
-    out = torch.empty(w.shape, dtype=torch.bfloat16)
-    dequantize(fmt, w.shape, storage, out)
-    return storage, out
 
 
 def _weight(shape: torch.Size, seed: int = 0) -> torch.Tensor:
@@ -34,7 +25,7 @@ def _weight(shape: torch.Size, seed: int = 0) -> torch.Tensor:
 def test_nf4_holds_bitsandbytes_codes_and_absmax_and_dequantizes_as_it_does(shape) -> None:
     bnb = pytest.importorskip("bitsandbytes.functional")
     w = _weight(shape)
-    storage, ours = _held("nf4", w)
+    storage, ours = held_in("nf4", w)
     codes, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
     raw = storage.view(torch.uint8)
     blocks = w.numel() // 64
@@ -47,7 +38,7 @@ def test_nf4_holds_bitsandbytes_codes_and_absmax_and_dequantizes_as_it_does(shap
 def test_int8_holds_llm_int8s_row_wise_codes_and_dequantizes_as_it_does(shape) -> None:
     bnb = pytest.importorskip("bitsandbytes.functional")
     w = _weight(shape)
-    storage, ours = _held("int8", w)
+    storage, ours = held_in("int8", w)
     codes, absmax, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(w.clone())
     raw = storage.view(torch.uint8)
     assert torch.equal(raw[:4 * shape[0]].view(torch.float32), absmax)
@@ -58,7 +49,7 @@ def test_int8_holds_llm_int8s_row_wise_codes_and_dequantizes_as_it_does(shape) -
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_fp8_is_within_e4m3s_rounding_of_each_row_scaled_to_its_range(shape) -> None:
     w = _weight(shape)
-    _, ours = _held("fp8", w)
+    _, ours = held_in("fp8", w)
     scale = w.float().abs().amax(dim=1, keepdim=True) / 448
     # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of a normal value, 2^-10 of the scale below its smallest
     # normal (2^-6); the bf16 result adds half its own ulp, 2^-9.
@@ -69,7 +60,7 @@ def test_fp8_is_within_e4m3s_rounding_of_each_row_scaled_to_its_range(shape) -> 
 @pytest.mark.parametrize("fmt", BASE_DTYPES)
 def test_the_torch_rule_dequantized_in_chunks_gives_the_ops_bits(fmt, monkeypatch) -> None:
     w = _weight(torch.Size((96, 320)))
-    storage, by_op = _held(fmt, w)
+    storage, by_op = held_in(fmt, w)
     monkeypatch.setattr(quantized_base, "DEQUANT_CHUNK", 704)  # 11 blocks of 64; rows of 320: 2 at a time
     chunked = torch.empty(w.shape, dtype=torch.bfloat16)
     dequantize(fmt, w.shape, storage, chunked, native=False)
@@ -133,9 +124,9 @@ def test_the_dequantize_op_gives_the_same_bits_on_the_gpu_as_on_the_host(fmt, sh
 @pytest.mark.parametrize("fmt", BASE_DTYPES)
 def test_a_weight_quantized_in_chunks_is_held_the_same_as_at_once(fmt, monkeypatch) -> None:
     w = _weight(torch.Size((96, 320)))
-    whole, _ = _held(fmt, w)
+    whole, _ = held_in(fmt, w)
     monkeypatch.setattr(quantized_base, "QUANT_CHUNK", 704)  # 11 blocks of 64; rows of 320: 2 at a time
-    chunked, _ = _held(fmt, w)
+    chunked, _ = held_in(fmt, w)
     assert torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
 
 
@@ -146,7 +137,7 @@ def test_a_weight_is_held_in_the_same_bits_quantized_on_the_gpu_as_on_the_host(f
     w = _weight(torch.Size((1536, 2048)))
     w = (w.float() * torch.logspace(-30, 30, w.shape[0], base=2).unsqueeze(1)).bfloat16()
     w[7] = 0
-    host, _ = _held(fmt, w)
+    host, _ = held_in(fmt, w)
     device = torch.empty(stored_elements(fmt, w.shape), dtype=torch.bfloat16, device="cuda")
     quantize_into(fmt, w.cuda(), device)
     assert torch.equal(device.cpu().view(torch.uint8), host.view(torch.uint8))
@@ -156,7 +147,7 @@ def test_a_row_of_zeros_stays_zero_in_every_format() -> None:
     w = _weight(torch.Size((64, 64)))
     w[3] = 0
     for fmt in BASE_DTYPES:
-        assert torch.equal(_held(fmt, w)[1][3], w[3]), fmt
+        assert torch.equal(held_in(fmt, w)[1][3], w[3]), fmt
 
 
 def _lora(layers: int = 3) -> torch.nn.Module:
@@ -169,21 +160,11 @@ def _lora(layers: int = 3) -> torch.nn.Module:
     return model
 
 
-def _base_dequantized(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
-    """A copy whose layers' frozen linear weights are what `fmt` holds of them, in bf16."""
-    out = copy.deepcopy(model)
-    for layer in out.base_model.model.model.layers:
-        for m in layer.modules():
-            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
-                m.weight.data = _held(fmt, m.weight.detach().bfloat16())[1]
-    return out
-
-
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 @pytest.mark.parametrize("fmt", BASE_DTYPES)
 def test_a_quantized_base_trains_exactly_as_its_dequantized_weights_in_bf16(fmt, precision) -> None:
     model = _lora()
-    same = _base_dequantized(model, fmt)
+    same = base_dequantized(model, fmt)
     off = offload_ext.Offloader(model, lr=1e-2, precision=precision, device="cpu", base_dtype=fmt)
     ref = offload_ext.Offloader(same, lr=1e-2, precision=precision, device="cpu")
     held = [s for u in off.layout.units for s in u.spans if s.quant]
