@@ -1,9 +1,11 @@
 """The resident peers of a LoRA run on a quantized base (bench_train's -baseint8/-basefp8/-basenf4 on resident
 modes): NF4 is bitsandbytes' QLoRA as peft users run it (Linear4bit, NF4 with its absmax quantized again, bf16
-compute); int8 and fp8 keep the engine's own storage on the GPU and dequantize each layer's base into one bf16
-buffer before it runs, each linear its own part of it (what the offloaded run does after its copies), every layer
-recomputed: a layer's backward reads the weights its recompute dequantized."""
+compute); int8 and fp8 keep the engine's own storage on the GPU and, as bitsandbytes does for its formats, each
+linear dequantizes its weight into one shared bf16 buffer in forward and again in backward (the 70 B shape's base
+leaves no room on an 80 GB GPU for a layer's weights in bf16 at once)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -30,21 +32,38 @@ def hold_base(model: nn.Module, fmt: str, device: str, weights: WeightSource) ->
     # the reads' transients between persistent allocations left 30 GiB of the 70 B base's GPU reserved but unusable
     sizes = [stored_elements(fmt, m.weight.shape) for linears in layers for m in linears]
     held = iter(torch.empty(sum(sizes), dtype=torch.bfloat16, device=device).split(sizes))
-    scratch = torch.empty(max(sum(m.weight.numel() for m in linears) for linears in layers), dtype=torch.bfloat16,
+    scratch = torch.empty(max(m.weight.numel() for linears in layers for m in linears), dtype=torch.bfloat16,
                           device=device)
-    for linears in layers:
-        at = 0
-        for m in linears:
-            shape, storage = m.weight.shape, next(held)
-            quantize_into(fmt, value(m), storage)
-            make_real(m.weight, scratch[at:at + shape.numel()].view(shape))
-            at += shape.numel()
-
-            def dequantize_first(module: nn.Module, args: tuple, storage=storage, shape=shape) -> None:
-                dequantize(fmt, shape, storage, module.weight.data)
-            m.register_forward_pre_hook(dequantize_first)
+    for m in (m for linears in layers for m in linears):
+        shape, storage = m.weight.shape, next(held)
+        quantize_into(fmt, value(m), storage)
+        make_real(m.weight, scratch[:shape.numel()].view(shape))  # what peft reads: the dtype and device
+        m.forward = functools.partial(_dequantized_linear, fmt=fmt, storage=storage, weight=m.weight.data,
+                                      bias=m.bias)
     if scratch.is_cuda:
         torch.cuda.empty_cache()  # the reads' transients, handed back before the steps allocate
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """A frozen linear whose weight is dequantized where it is used, forward and backward, into `weight`: a buffer
+    every linear shares, so nothing is saved for backward but the storage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fmt: str, storage: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.fmt, ctx.storage, ctx.weight = fmt, storage, weight
+        dequantize(fmt, weight.shape, storage, weight)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dequantize(ctx.fmt, ctx.weight.shape, ctx.storage, ctx.weight)
+        return (grad @ ctx.weight, None, None, None, None)
+
+
+def _dequantized_linear(x: torch.Tensor, *, fmt: str, storage: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return _DequantizedLinear.apply(x, fmt, storage, weight, bias)
 
 
 def _to_linear4bit(model: nn.Module, linear: nn.Linear, weight: torch.Tensor, device: str) -> None:

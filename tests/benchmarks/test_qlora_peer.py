@@ -1,5 +1,5 @@
-"""benchmarks/_qlora.py's resident peer on an int8 base: each layer recomputed, its backward reads the weights its
-recompute dequantized, each linear its own, so the adapters' gradients are those of the same base held in bf16."""
+"""benchmarks/_qlora.py's resident peer on an int8 base: every linear dequantizes its own weight into the shared
+buffer in forward and again in backward, so the adapters' gradients are those of the same base held in bf16."""
 from __future__ import annotations
 
 import sys
