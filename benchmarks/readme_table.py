@@ -16,28 +16,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_table.py) -->", "<!-- perf-table:end -->"
 
-RUN = "2026-12-05_8666325"
-B1, B1_ACCUM, B1_PEERS = f"{RUN}/suite_b1.json", f"{RUN}/suite_b1-2.json", f"{RUN}/suite_b1-3.json"
-B2_PEERS = f"{RUN}/suite_b2-2.json"
+RUN = "2026-12-06_2c6ce94"
+B1, B1_PEERS = f"{RUN}/suite_b1.json", f"{RUN}/suite_b1-ds1.json"
+# accumulation from the call before (run 95, on an H100); B2's DeepSpeed row from the last call that ran it (8666325)
+B1_ACCUM = "2026-12-06_d53604a/suite_b1-2.json"
+B2_PEERS = "2026-12-05_8666325/suite_b2-2.json"
 # B2's default and 8-bit rows from the call that ran them side by side (run 93, on an H200)
 B2 = "2026-12-05_a1df555/suite_b2-2.json"
 SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)",
-          "mistral-24b": "Mistral-Small-24B shape, 1 x 4096 tokens"}
+          "mistral-24b": "Mistral-Small-24B shape, 1 x 4096 tokens",
+          "llama-70b": "Llama-3.1-70B shape, 1 x 4096 tokens"}
 # the 24 B full fine-tune: nothing on one GPU holds it to be set beside (run 94, on an H100)
 REACH = "2026-12-06_7deb45f/suite_reach.json"
+# the 70 B LoRA pairs (run 96, on H100s): NF4 beside bitsandbytes' QLoRA, int8 beside its own storage resident
+REACH_NF4, REACH_INT8 = "2026-12-06_3ac0d00/suite_reach-nf4.json", f"{RUN}/suite_reach-int8.json"
 # (what the row is, results file, row key): the offloaded rows run the layout offload-train chooses by default
-# (`auto`: the rows of these files keyed auto-*), the peers beside the Offloader in that call
+# (`auto`), the peers beside the Offloader in that call
 ROWS = [
-    ("plain", B1, "auto-plain"),
-    ("clip 1.0 on a real run", B1, "auto-clipreal"),
-    ("2 micro-batches", B1_ACCUM, "auto-accum2"),
-    ("4 micro-batches", B1_ACCUM, "auto-accum4"),
+    ("plain", B1, "plain"),
+    ("clip 1.0 on a real run", B1, "clipreal"),
+    ("compiled, beside compiled resident", B1, "compiled"),
+    ("2 micro-batches", B1_ACCUM, "accum2"),
+    ("4 micro-batches", B1_ACCUM, "accum4"),
     ("clip 1.0 on a real run", B2, "clipreal"),
     ("8-bit moments in a 64 GB host, clip 1.0", B2, "8bit-clipreal"),
     ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B1_PEERS, "deepspeed-tuned"),
     ("DeepSpeed ZeRO-2 optimizer offload, tuned, clip 1.0", B1_PEERS, "deepspeed2-tuned"),
     ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B2_PEERS, "deepspeed-tuned"),
     ("full fine-tune, 8-bit moments", REACH, "24b-8bit"),
+    ("LoRA r16 on an NF4 base, beside bitsandbytes' QLoRA", REACH_NF4, "70b-lora16-basenf4"),
+    ("LoRA r16 on an int8 base, beside it resident", REACH_INT8, "70b-lora16-baseint8"),
 ]
 
 
