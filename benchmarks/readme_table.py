@@ -1,6 +1,7 @@
 """The README's performance table, generated from the suite's result files (never typed by hand).
 
-Each row is one row of a `benchmarks/suite.py` results JSON (`benchmarks/results/<date>_<commit>/suite_*.json`):
+Each row is one row of a `benchmarks/suite.py` results JSON (`benchmarks/results/<date>_<commit>/suite_*.json`),
+the newest GPU run of it beside its peer, so a new suite run replaces the rows it measured without an edit here:
 its median step, the ratio to the peer it was measured beside in each round, GPU cap, GPU peak and host RSS peak,
 with the file's date, commit and machine. `--write README.md` replaces the text between the table's markers;
 tests/docs/test_readme_table.py checks the README holds exactly what this prints.
@@ -8,54 +9,65 @@ tests/docs/test_readme_table.py checks the README holds exactly what this prints
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_table.py) -->", "<!-- perf-table:end -->"
 
-RUN = "2026-12-06_2c6ce94"
-B1, B1_PEERS = f"{RUN}/suite_b1.json", f"{RUN}/suite_b1-ds1.json"
-# accumulation from the call before (run 95, on an H100); B2's DeepSpeed row from the last call that ran it (8666325)
-B1_ACCUM = "2026-12-06_d53604a/suite_b1-2.json"
-B2_PEERS = "2026-12-05_8666325/suite_b2-2.json"
-# B2's default and 8-bit rows from the call that ran them side by side (run 93, on an H200)
-B2 = "2026-12-05_a1df555/suite_b2-2.json"
 SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)",
           "mistral-24b": "Mistral-Small-24B shape, 1 x 4096 tokens",
           "llama-70b": "Llama-3.1-70B shape, 1 x 4096 tokens"}
-# the 24 B full fine-tune: nothing on one GPU holds it to be set beside (run 94, on an H100)
-REACH = "2026-12-06_7deb45f/suite_reach.json"
-# the 70 B LoRA pairs (run 96, on H100s): NF4 beside bitsandbytes' QLoRA, int8 beside its own storage resident
-REACH_NF4, REACH_INT8 = "2026-12-06_3ac0d00/suite_reach-nf4.json", f"{RUN}/suite_reach-int8.json"
-# (what the row is, results file, row key): the offloaded rows run the layout offload-train chooses by default
-# (`auto`), the peers beside the Offloader in that call
+# (what the row is, shape, the suite's row key): each from the newest GPU result file where the row ran and so did
+# the peer it was measured beside. The offloaded rows run the layout offload-train chooses by default (`auto`).
 ROWS = [
-    ("plain", B1, "plain"),
-    ("clip 1.0 on a real run", B1, "clipreal"),
-    ("compiled, beside compiled resident", B1, "compiled"),
-    ("2 micro-batches", B1_ACCUM, "accum2"),
-    ("4 micro-batches", B1_ACCUM, "accum4"),
-    ("clip 1.0 on a real run", B2, "clipreal"),
-    ("8-bit moments in a 64 GB host, clip 1.0", B2, "8bit-clipreal"),
-    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B1_PEERS, "deepspeed-tuned"),
-    ("DeepSpeed ZeRO-2 optimizer offload, tuned, clip 1.0", B1_PEERS, "deepspeed2-tuned"),
-    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", B2_PEERS, "deepspeed-tuned"),
-    ("full fine-tune, 8-bit moments", REACH, "24b-8bit"),
-    ("LoRA r16 on an NF4 base, beside bitsandbytes' QLoRA", REACH_NF4, "70b-lora16-basenf4"),
-    ("LoRA r16 on an int8 base, beside it resident", REACH_INT8, "70b-lora16-baseint8"),
+    ("plain", "b1", "plain"),
+    ("clip 1.0 on a real run", "b1", "clipreal"),
+    ("compiled, beside compiled resident", "b1", "compiled"),
+    ("2 micro-batches", "b1", "accum2"),
+    ("4 micro-batches", "b1", "accum4"),
+    ("clip 1.0 on a real run", "b2", "clipreal"),
+    ("8-bit moments in a 64 GB host, clip 1.0", "b2", "8bit-clipreal"),
+    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", "b1", "deepspeed-tuned"),
+    ("DeepSpeed ZeRO-2 optimizer offload, tuned, clip 1.0", "b1", "deepspeed2-tuned"),
+    ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", "b2", "deepspeed-tuned"),
+    ("full fine-tune, 8-bit moments", "mistral-24b", "24b-8bit"),
+    ("LoRA r16 on an NF4 base, beside bitsandbytes' QLoRA", "llama-70b", "70b-lora16-basenf4"),
+    ("LoRA r16 on an int8 base, beside it resident", "llama-70b", "70b-lora16-baseint8"),
 ]
+
+
+def _ran(row: dict | None) -> bool:
+    return row is not None and row.get("step_s") is not None
+
+
+def newest(results: str, shape: str, key: str) -> tuple[str, dict]:
+    """The newest GPU suite file under `results` (by its own date) where row `key` of `shape` ran, and its peer too
+    where it has one: (its path relative to `results`, its contents)."""
+    found = []
+    for path in glob.glob(os.path.join(results, "*", "suite_*.json")):
+        with open(path) as f:
+            result = json.load(f)
+        if result["args"].get("device", "cuda") != "cuda":
+            continue
+        rows = {r["key"]: r for r in result["rows"]}
+        row = rows.get(key)
+        if row and row["shape"] == shape and _ran(row) and (not row["peer"] or _ran(rows.get(row["peer"]))):
+            found.append((result["date"], os.path.relpath(path, results), result))
+    if not found:
+        raise SystemExit(f"readme_table: no GPU suite file under {results} holds a run of {shape} row {key!r}")
+    _, path, result = max(found, key=lambda f: f[0])
+    return path, result
 
 
 def _gb(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _row(what: str, path: str, key: str) -> str:
-    with open(os.path.join(HERE, "results", path)) as f:
-        result = json.load(f)
+def _row(what: str, shape: str, key: str, results: str) -> str:
+    path, result = newest(results, shape, key)
     rows = {r["key"]: r for r in result["rows"]}
     ours = rows[key]
     peer = rows[ours["peer"]] if ours["peer"] else None
@@ -75,11 +87,11 @@ def _row(what: str, path: str, key: str) -> str:
             f"({machine.get('usable_cpus', '?')}-core host) | [{os.path.basename(path)}](benchmarks/results/{path}) |")
 
 
-def table() -> str:
+def table(results: str = os.path.join(HERE, "results")) -> str:
     head = ("| recipe | row: median step | GPU cap | beside: median step | time vs beside, each round | "
             "GPU peak GB (row / beside) | host RSS peak GB (row / beside) | date, commit, machine | result |\n"
             "|---|---|---|---|---:|---|---|---|---|")
-    return "\n".join([head, *(_row(*r) for r in ROWS)])
+    return "\n".join([head, *(_row(*r, results) for r in ROWS)])
 
 
 def replaced(readme: str) -> str:

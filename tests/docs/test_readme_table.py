@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,3 +34,27 @@ def test_the_readme_stays_short_and_links_only_inside_the_repository() -> None:
     for target in ("docs/api.md", "docs/offload-train.md", "docs/memory-plan.md", "docs/design.md",
                    "docs/performance.md", "docs/history.md", "docs/install.md"):
         assert os.path.isfile(os.path.join(ROOT, target)), target
+
+
+def _suite_file(root, run: str, date: str, rows: list[dict], device: str = "cuda") -> None:
+    os.makedirs(os.path.join(root, run))
+    with open(os.path.join(root, run, "suite_b1.json"), "w") as f:
+        json.dump({"date": date, "args": {"device": device}, "rows": rows}, f)
+
+
+def _suite_row(key: str, peer: str | None, step_s: float | None) -> dict:
+    return {"key": key, "shape": "b1", "peer": peer, "step_s": step_s}
+
+
+def test_each_row_comes_from_the_newest_gpu_file_where_it_and_its_peer_ran(tmp_path) -> None:
+    gen = _generator()
+    ran = [_suite_row("resident-plain", None, 0.2), _suite_row("plain", "resident-plain", 0.2)]
+    _suite_file(tmp_path, "old", "2026-12-01T00:00:00+00:00", ran)
+    _suite_file(tmp_path, "peer-failed", "2026-12-02T00:00:00+00:00",
+                [_suite_row("resident-plain", None, None), _suite_row("plain", "resident-plain", 0.1)])
+    _suite_file(tmp_path, "simulated", "2026-12-03T00:00:00+00:00", ran, device="cpu")
+    assert gen.newest(str(tmp_path), "b1", "plain")[0] == os.path.join("old", "suite_b1.json")
+    _suite_file(tmp_path, "new", "2026-12-04T00:00:00+00:00", ran)
+    assert gen.newest(str(tmp_path), "b1", "plain")[0] == os.path.join("new", "suite_b1.json")
+    with pytest.raises(SystemExit, match="holds a run of b1 row 'accum2'"):
+        gen.newest(str(tmp_path), "b1", "accum2")
