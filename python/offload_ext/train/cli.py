@@ -76,7 +76,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("model", time.perf_counter()))
     model = _with_lora(args, model)
     _resolve_layout(args, model, device, resume_from)
-    _note_device_precision(args)
     memory = None
     if args.backend != "none" and (on_gpu or simulated):  # the whole memory check, activations included
         memory = _plan(args, model, device)
@@ -199,6 +198,13 @@ def _plan(args: argparse.Namespace, model: torch.nn.Module, device: torch.device
 
 def _resolve_layout(args: argparse.Namespace, model: torch.nn.Module, device: torch.device,
                     resume_from: checkpoint_manifest.Checkpoint | None) -> None:
+    """The run's layout settled and said: auto flags as numbers, and what 8-bit moments cover under it."""
+    _choose_auto_layout(args, model, device, resume_from)
+    _note_device_precision(args)
+
+
+def _choose_auto_layout(args: argparse.Namespace, model: torch.nn.Module, device: torch.device,
+                        resume_from: checkpoint_manifest.Checkpoint | None) -> None:
     """--resident-layers / --device-layers auto as numbers: a resumed run's from its checkpoint, a new one's from
     the memory plan of its batch; printed as the flags that reproduce it, and recorded so in its checkpoints."""
     auto = [k for k in prior_run.AUTO_FLAGS if getattr(args, k) == "auto"]
@@ -263,7 +269,6 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
     model, _ = from_config_empty(model_config(args, planned_vocab(args)), seed=args.seed)
     model = _with_lora(args, model)
     _resolve_layout(args, model, device, None)
-    _note_device_precision(args)
     memory = _plan(args, model, device)
     print(memory, flush=True)
     if not memory.fits:
