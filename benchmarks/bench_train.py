@@ -41,8 +41,9 @@ deepspeed-precision[-tuned][-recipe] (e.g. deepspeed-bf16, deepspeed-bf16-tuned-
 DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory and DeepSpeedCPUAdam (tuned: its
 buckets and prefetch sized to the model's layers, overlap_comm; see _deepspeed.zero_config), deepspeed2-... the same
 with ZeRO-2, where only the optimizer is offloaded (the weights must fit on the GPU); zenflow (ZeRO-2, e.g.
-deepspeed2-bf16-zenflow-clipreal) and superoffload (ZeRO-3, the weights on the GPU) take DeepSpeed's newer offload
-engines with their tutorials' settings (ZenFlow steps most gradients every 4th step: not AdamW's rule), one
+deepspeed2-mixed-zenflow-clipreal) and superoffload (ZeRO-3, the weights on the GPU) take DeepSpeed's newer offload
+engines with their tutorials' settings (ZenFlow steps most gradients every 4th step: not AdamW's rule; its
+optimizer takes no bf16 master weights, so it runs in mixed only), one
 process on one GPU, under the same GPU cap, loss, checkpointing and AdamW settings (benchmarks/_deepspeed.py;
 bf16: bf16 masters and moments as native-bf16, mixed: DeepSpeed's stock fp32 masters as native-mixed).
 Below the table, each DeepSpeed mode's step time over the native mode of the same precision and recipe.
@@ -162,6 +163,10 @@ class Mode:
         variant = next((o for o in options if o in DS_VARIANTS), None)
         if variant is not None and DS_VARIANTS[variant] != backend:
             raise SystemExit(f"bench_train: mode {name!r}: {variant} is a {DS_VARIANTS[variant]} mode")
+        if variant == "zenflow" and precision == "bf16":  # DeepSpeed asserts it in initialize, after the model
+            raise SystemExit(f"bench_train: mode {name!r}: ZenFlow's optimizer takes no bf16 master weights "
+                             "(DeepSpeed allows them with DeepSpeedCPUAdam only); run it in mixed: "
+                             f"{name.replace('bf16', 'mixed')}")
         numbered = rf"({'|'.join(NUMBERED_OPTIONS)})\d+"
         unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(numbered, o)]
         if unknown:

@@ -72,12 +72,13 @@ def _pairs(shape: str, recipes: list[str], cap: float | None, prefix: str = "", 
 
 
 def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
-    """The other offloading libraries on clip 1.0, each compared with the engine's clipreal row."""
+    """The other offloading libraries on clip 1.0, each compared with the engine's clipreal row of its precision."""
     rows = [Row("deepspeed-stock", shape, "deepspeed-bf16-clipreal", "clipreal", cap),
             Row("deepspeed-tuned", shape, "deepspeed-bf16-tuned-clipreal", "clipreal", cap)]
     if zero2:  # ZeRO-2, SuperOffload and torchao keep the weights on the GPU: where they fit
         rows += [Row("deepspeed2-tuned", shape, "deepspeed2-bf16-tuned-clipreal", "clipreal", cap),
-                 Row("deepspeed-zenflow", shape, "deepspeed2-bf16-tuned-zenflow-clipreal", "clipreal", cap),
+                 # ZenFlow's optimizer takes no bf16 master weights: fp32 masters, beside the engine's mixed
+                 Row("deepspeed-zenflow", shape, "deepspeed2-mixed-tuned-zenflow-clipreal", "mixed-clipreal", cap),
                  Row("deepspeed-superoffload", shape, "deepspeed-bf16-tuned-superoffload-clipreal", "clipreal", cap),
                  Row("torchao", shape, "torchao-bf16-clipreal", "clipreal", cap)]
     return rows
@@ -97,6 +98,7 @@ HANDPICKED = "d16-r12"
 PRESETS: dict[str, list[Row]] = {
     "b1": [*_pairs("b1", B1_RECIPES, None),
            Row("mixed", "b1", "native-mixed-auto", "resident-plain"),
+           Row("mixed-clipreal", "b1", "native-mixed-auto-clipreal", "resident-clipreal"),
            Row("compiled-resident", "b1", "resident-lean", compile=True),
            Row("compiled", "b1", "native-bf16-auto", "compiled-resident", compile=True),
            *_layouts("handpicked", HANDPICKED, "b1", HANDPICKED_RECIPES, None),

@@ -113,3 +113,12 @@ def test_every_row_of_every_preset_names_a_mode_its_benchmark_knows() -> None:
     assert "native-bf16-auto-dr16-clipreal" in modes  # B2's hand-picked row
     for mode in modes:
         bench_train.Mode.parse(mode)  # an unknown suffix exits naming it
+
+
+def test_zenflow_in_bf16_is_refused_naming_the_mode_that_runs() -> None:
+    import bench_train
+
+    # DeepSpeed 0.19 asserts in initialize that bf16 master weights go with DeepSpeedCPUAdam, not ZenFlowCPUAdam
+    with pytest.raises(SystemExit, match="run it in mixed: deepspeed2-mixed-tuned-zenflow-clipreal$"):
+        bench_train.Mode.parse("deepspeed2-bf16-tuned-zenflow-clipreal")
+    assert bench_train.Mode.parse("deepspeed2-mixed-tuned-zenflow-clipreal").precision == "mixed"
