@@ -282,8 +282,8 @@ def _gb(v: float | None) -> str:
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | model TFLOP/s | time vs peer, each round | GPU peak GB | "
-             "host RSS peak GB | clipped |", "|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
+    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | model TFLOP/s | time vs peer, each round | "
+             "GPU peak GB | host RSS peak GB | clipped |", "|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         cap = (f"{r['cap_gb']:g} GB" if r["cap_gb"] else "none") + (f", host {r['host_gb']:g} GB" if r.get("host_gb")
                                                                     else "")
