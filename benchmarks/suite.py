@@ -17,8 +17,9 @@ the table shows each round's ratio: a headline holds when it holds in every roun
 
 The results go to `suite_<preset>.json` (and .md) in the run's directory (benchmarks/results/<date>_<commit>/),
 beside a `suite_<preset>/` folder of each process's own result file and log. The tables in docs/performance.md
-and the README sit between markers naming the file they were generated from; `--write` (after a run, or with
---tables) points the markers at the new files and regenerates the text between them.
+sit between markers naming the file they were generated from; `--write` (after a run, or with --tables) points
+the markers at the new files and regenerates the text between them, and the README's one table with them
+(benchmarks/readme_table.py: each of its rows from the newest result file that measured it).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import time
 from typing import Any
 
 import _common
+import readme_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_TRAIN = os.path.join(HERE, "bench_train.py")
@@ -324,7 +326,9 @@ def rewrite(text: str, base: str, new: dict[str, str] | None = None) -> str:
             preset = json.load(f)["preset"]
         path = (new or {}).get(preset, path)
         return f"<!-- suite-table:begin {path} -->\n{table(path, base)}\n<!-- suite-table:end -->"
-    return _MARK.sub(one, text)
+    text = _MARK.sub(one, text)
+    # the README's one table: each row from the newest result file of it (readme_table.py)
+    return readme_table.replaced(text) if readme_table.BEGIN in text else text
 
 
 def write_tables(files: list[str], new: dict[str, str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -58,3 +59,12 @@ def test_each_row_comes_from_the_newest_gpu_file_where_it_and_its_peer_ran(tmp_p
     assert gen.newest(str(tmp_path), "b1", "plain")[0] == os.path.join("new", "suite_b1.json")
     with pytest.raises(SystemExit, match="holds a run of b1 row 'accum2'"):
         gen.newest(str(tmp_path), "b1", "accum2")
+
+
+def test_the_suite_s_table_rewrite_regenerates_the_readme_table_too() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import suite
+
+    gen = _generator()
+    stale = f"# Title\n\n{gen.BEGIN}\n| a stale row |\n{gen.END}\n"
+    assert suite.rewrite(stale, ".") == f"# Title\n\n{gen.BEGIN}\n{gen.table()}\n{gen.END}\n"
