@@ -19,28 +19,27 @@ def hold_base(model: nn.Module, fmt: str, device: str, weights: WeightSource) ->
     """The frozen linear weights of `model`'s layers held in `fmt` on `device`, as described above, each read from
     `weights` where it is still on the meta device: one matrix at a time in bf16 (the 70 B shape's base would not
     fit the host, nor the GPU, whole in bf16)."""
-    layers = [quantized_linears(layer, fmt) for _, stack in find_layer_stacks(model) for layer in stack]
+    linears = [m for _, stack in find_layer_stacks(model) for layer in stack for m in quantized_linears(layer, fmt)]
 
     def value(m: nn.Linear) -> torch.Tensor:
         p = m.weight
         return weights.value(p, device) if p.is_meta else p.detach().to(device)
     if fmt == "nf4":
-        for m in (m for linears in layers for m in linears):
+        for m in linears:
             _to_linear4bit(model, m, value(m), device)
         return
     # Every weight's storage and the bf16 buffer they dequantize into, allocated before the first weight is read:
     # the reads' transients between persistent allocations left 30 GiB of the 70 B base's GPU reserved but unusable
-    sizes = [stored_elements(fmt, m.weight.shape) for linears in layers for m in linears]
-    held = iter(torch.empty(sum(sizes), dtype=torch.bfloat16, device=device).split(sizes))
-    scratch = torch.empty(max(m.weight.numel() for linears in layers for m in linears), dtype=torch.bfloat16,
-                          device=device)
-    for m in (m for linears in layers for m in linears):
-        shape, storage = m.weight.shape, next(held)
+    sizes = [stored_elements(fmt, m.weight.shape) for m in linears]
+    held = torch.empty(sum(sizes), dtype=torch.bfloat16, device=device)
+    scratch = torch.empty(max(m.weight.numel() for m in linears), dtype=torch.bfloat16, device=device)
+    for m, storage in zip(linears, held.split(sizes)):
+        shape = m.weight.shape
         quantize_into(fmt, value(m), storage)
         make_real(m.weight, scratch[:shape.numel()].view(shape))  # what peft reads: the dtype and device
         m.forward = functools.partial(_dequantized_linear, fmt=fmt, storage=storage, weight=m.weight.data,
                                       bias=m.bias)
-    if scratch.is_cuda:
+    if held.is_cuda:
         torch.cuda.empty_cache()  # the reads' transients, handed back before the steps allocate
 
 
