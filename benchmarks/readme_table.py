@@ -43,21 +43,28 @@ def _ran(row: dict | None) -> bool:
     return row is not None and row.get("step_s") is not None
 
 
-def newest(results: str, shape: str, key: str) -> tuple[str, dict]:
-    """The newest GPU suite file under `results` (by its own date) where row `key` of `shape` ran, and its peer too
-    where it has one: (its path relative to `results`, its contents)."""
+def gpu_suites(results: str) -> list[tuple[str, str, dict]]:
+    """Every GPU suite file under `results`: (its date, its path relative to `results`, its contents)."""
     found = []
     for path in glob.glob(os.path.join(results, "*", "suite_*.json")):
         with open(path) as f:
             result = json.load(f)
-        if result["args"].get("device", "cuda") != "cuda":
-            continue
+        if result["args"].get("device", "cuda") == "cuda":
+            found.append((result["date"], os.path.relpath(path, results), result))
+    return found
+
+
+def newest(suites: list[tuple[str, str, dict]], shape: str, key: str) -> tuple[str, dict]:
+    """Of `suites` (gpu_suites), the newest by its own date where row `key` of `shape` ran, and its peer too where
+    it has one: (its path, its contents)."""
+    found = []
+    for date, path, result in suites:
         rows = {r["key"]: r for r in result["rows"]}
         row = rows.get(key)
         if row and row["shape"] == shape and _ran(row) and (not row["peer"] or _ran(rows.get(row["peer"]))):
-            found.append((result["date"], os.path.relpath(path, results), result))
+            found.append((date, path, result))
     if not found:
-        raise SystemExit(f"readme_table: no GPU suite file under {results} holds a run of {shape} row {key!r}")
+        raise SystemExit(f"readme_table: no GPU suite file holds a run of {shape} row {key!r}")
     _, path, result = max(found, key=lambda f: f[0])
     return path, result
 
@@ -66,8 +73,8 @@ def _gb(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _row(what: str, shape: str, key: str, results: str) -> str:
-    path, result = newest(results, shape, key)
+def _row(what: str, shape: str, key: str, suites: list[tuple[str, str, dict]]) -> str:
+    path, result = newest(suites, shape, key)
     rows = {r["key"]: r for r in result["rows"]}
     ours = rows[key]
     peer = rows[ours["peer"]] if ours["peer"] else None
@@ -91,7 +98,8 @@ def table(results: str = os.path.join(HERE, "results")) -> str:
     head = ("| recipe | row: median step | GPU cap | beside: median step | time vs beside, each round | "
             "GPU peak GB (row / beside) | host RSS peak GB (row / beside) | date, commit, machine | result |\n"
             "|---|---|---|---|---:|---|---|---|---|")
-    return "\n".join([head, *(_row(*r, results) for r in ROWS)])
+    suites = gpu_suites(results)
+    return "\n".join([head, *(_row(*r, suites) for r in ROWS)])
 
 
 def replaced(readme: str) -> str:

@@ -54,11 +54,11 @@ def test_each_row_comes_from_the_newest_gpu_file_where_it_and_its_peer_ran(tmp_p
     _suite_file(tmp_path, "peer-failed", "2026-12-02T00:00:00+00:00",
                 [_suite_row("resident-plain", None, None), _suite_row("plain", "resident-plain", 0.1)])
     _suite_file(tmp_path, "simulated", "2026-12-03T00:00:00+00:00", ran, device="cpu")
-    assert gen.newest(str(tmp_path), "b1", "plain")[0] == os.path.join("old", "suite_b1.json")
+    assert gen.newest(gen.gpu_suites(str(tmp_path)), "b1", "plain")[0] == os.path.join("old", "suite_b1.json")
     _suite_file(tmp_path, "new", "2026-12-04T00:00:00+00:00", ran)
-    assert gen.newest(str(tmp_path), "b1", "plain")[0] == os.path.join("new", "suite_b1.json")
+    assert gen.newest(gen.gpu_suites(str(tmp_path)), "b1", "plain")[0] == os.path.join("new", "suite_b1.json")
     with pytest.raises(SystemExit, match="holds a run of b1 row 'accum2'"):
-        gen.newest(str(tmp_path), "b1", "accum2")
+        gen.newest(gen.gpu_suites(str(tmp_path)), "b1", "accum2")
 
 
 def test_the_suite_s_table_rewrite_regenerates_the_readme_table_too() -> None:
