@@ -117,6 +117,11 @@ CLIP_NORMS = {"clip": 1e6, "clipall": 1e-3, "clipreal": 1.0}
 PEERS = ("deepspeed", "deepspeed2", "torchao")  # the other offloading libraries' modes
 # DeepSpeed's newer offload engines (_deepspeed.Zero.variant), by the backend (ZeRO stage) each runs on
 DS_VARIANTS = {"zenflow": "deepspeed2", "superoffload": "deepspeed"}
+# why neither newer engine takes bf16 master weights (ZenFlow: DeepSpeed asserts it in initialize; SuperOffload: its
+# host worker sets an fp32 gradient on each bf16 master, which torch refuses in the first step)
+DS_BF16_REFUSAL = {"zenflow": "ZenFlow's optimizer takes no bf16 master weights (DeepSpeed allows them with "
+                              "DeepSpeedCPUAdam only)",
+                   "superoffload": "SuperOffload's host worker steps fp32 gradients on fp32 masters only"}
 FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto", *DS_VARIANTS)
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 # a mode name's precision part holds no "-"
@@ -163,9 +168,8 @@ class Mode:
         variant = next((o for o in options if o in DS_VARIANTS), None)
         if variant is not None and DS_VARIANTS[variant] != backend:
             raise SystemExit(f"bench_train: mode {name!r}: {variant} is a {DS_VARIANTS[variant]} mode")
-        if variant == "zenflow" and precision == "bf16":  # DeepSpeed asserts it in initialize, after the model
-            raise SystemExit(f"bench_train: mode {name!r}: ZenFlow's optimizer takes no bf16 master weights "
-                             "(DeepSpeed allows them with DeepSpeedCPUAdam only); run it in mixed: "
+        if variant is not None and precision == "bf16":  # found only after the model is built, or in a step
+            raise SystemExit(f"bench_train: mode {name!r}: {DS_BF16_REFUSAL[variant]}; run it in mixed: "
                              f"{name.replace('bf16', 'mixed')}")
         numbered = rf"({'|'.join(NUMBERED_OPTIONS)})\d+"
         unknown = [o for o in options if o not in FLAG_OPTIONS and not re.fullmatch(numbered, o)]

@@ -79,9 +79,10 @@ def _peers(shape: str, cap: float | None, zero2: bool) -> list[Row]:
             Row("deepspeed-tuned", shape, "deepspeed-bf16-tuned-clipreal", "clipreal", cap)]
     if zero2:  # ZeRO-2, SuperOffload and torchao keep the weights on the GPU: where they fit
         rows += [Row("deepspeed2-tuned", shape, "deepspeed2-bf16-tuned-clipreal", "clipreal", cap),
-                 # ZenFlow's optimizer takes no bf16 master weights: fp32 masters, beside the engine's mixed
+                 # neither newer engine takes bf16 master weights: fp32 masters, beside the engine's mixed
                  Row("deepspeed-zenflow", shape, "deepspeed2-mixed-tuned-zenflow-clipreal", "mixed-clipreal", cap),
-                 Row("deepspeed-superoffload", shape, "deepspeed-bf16-tuned-superoffload-clipreal", "clipreal", cap),
+                 Row("deepspeed-superoffload", shape, "deepspeed-mixed-tuned-superoffload-clipreal", "mixed-clipreal",
+                     cap),
                  Row("torchao", shape, "torchao-bf16-clipreal", "clipreal", cap)]
     return rows
 
