@@ -92,6 +92,7 @@ from offload_ext.models.weight_source import filled_on, materialize
 from offload_ext.planning.auto_layout import choose_layout
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.plan import machine as plan_machine
+from offload_ext.train.machine import allocator_for_kept_layers
 
 MODES = ["resident", "python-bf16", "native-bf16", "native-bf16-sync", "python-mixed", "native-mixed",
          "native-mixed-g6", "native-mixed-sync", "native-mixed-d16"]
@@ -103,6 +104,9 @@ PRESETS = {
                untied=False),
     "b2": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=2, seq=4096,
                untied=True),
+    # B2 at a long context: one sequence of 32768 tokens (issue 13's, where kept activations leave the GPU)
+    "b2-32k": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, batch=1,
+                   seq=32768, untied=True),
     # Qwen2.5-14B's shape: a Qwen2 model (biased q/k/v projections), rope theta 1e6
     "qwen-14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, batch=1,
                      seq=4096, untied=True, arch="qwen2"),
@@ -792,6 +796,8 @@ def _peers(modes: list[Mode], rows: list[dict[str, Any]]) -> list[dict[str, Any]
 def main() -> None:
     a = parse()
     modes = [Mode.parse(m) for m in a.modes.split(",") if m]
+    kept = next((m.ckpt for m in modes if m.ckpt != "all"), "all")
+    allocator_for_kept_layers(kept)  # offload-train's allocator for kept layers, for every mode of the process
     # Each mode builds its own copy (the same seed, the same weights): no second host copy of the model
     # lives beside the one a mode trains (B2: 16 GB).
     n_params = sum(p.numel() for p in build_model(a)[0].parameters())
@@ -832,7 +838,8 @@ def main() -> None:
         lines += ["", f"{mixed['mode']}: step {mixed['step_s']:.4f} s vs forward ({source}) + 1.1 x mixed kernel "
                       f"({fwd:.4f} + 1.1 x {mixed['a1_mixed_kernel_s']:.4f}) = {bound:.4f} s"]
     stem = a.stem or f"train_{a.preset}" + ("_compile" if a.compile else "")
-    _common.publish(stem, {"args": vars(a), "params": n_params, "rows": rows}, lines)
+    _common.publish(stem, {"args": vars(a), "params": n_params, "rows": rows,
+                           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, lines)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ process, the modes in turns, and the tables written from what it measured.
     python benchmarks/suite.py --preset b2 --only plain,clipreal   # some rows of B2 (8 B, 2 x 4096, 24 GB cap)
     python benchmarks/suite.py --preset fsdp            # FSDP2's CPU offload, torch's AdamW against CPUAdamW
     python benchmarks/suite.py --preset reach           # 70 B LoRA on quantized bases, the 24 B full fine-tune
+    python benchmarks/suite.py --preset kept            # layers kept without recompute, a 32768-token sequence
     python benchmarks/suite.py --preset all --rounds 2
     python benchmarks/suite.py --tables                 # rewrite the tables from the files their markers name
 
@@ -118,6 +119,18 @@ PRESETS: dict[str, list[Row]] = {
            *_layouts("handpicked-dr0", "auto-dr0", "b2", ["clipreal"], CAP_GB),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
+    # layers kept without recompute (opt-in: activation_checkpointing "none" or "auto"): B1 keeping every layer
+    # against resident without checkpointing; "auto" under the cap against resident-lean uncapped, on B1 and B2;
+    # one 32768-token sequence of the 8 B shape under the cap with activation offload, against the same run uncapped
+    # without it (resident with checkpointing does not fit 24 GB there)
+    "kept": [Row("resident-ckptnone", "b1", "resident-ckptnone"),
+             Row("ckptnone", "b1", "native-bf16-auto-ckptnone", "resident-ckptnone"),
+             Row("resident-plain", "b1", "resident-lean"),
+             Row("ckptauto", "b1", "native-bf16-auto-ckptauto", "resident-plain", CAP_GB),
+             Row("b2-resident-plain", "b2", "resident-lean"),
+             Row("b2-ckptauto", "b2", "native-bf16-auto-ckptauto", "b2-resident-plain", CAP_GB),
+             Row("long-uncapped", "b2-32k", "native-bf16-auto"),
+             Row("long-aoff", "b2-32k", "native-bf16-auto-aoff", "long-uncapped", CAP_GB)],
     # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward
     # and overlapped with it; each offloaded row against the strongest torch one
     "fsdp": [Row("fsdp-resident", "b2", "resident", fsdp=True),

@@ -78,6 +78,21 @@ def test_an_fsdp_row_runs_under_torchrun_with_its_peers(tmp_path) -> None:
     assert ours["round_ratio"] == [ours["round_step_s"][0] / rows["fsdp-torchfused-clip"]["round_step_s"][0]]
 
 
+def test_kept_layer_rows_run_beside_their_peers_with_offload_train_s_allocator(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "kept", "--only", "ckptnone,long-aoff",
+                    "--rounds", "1", "--warmup", "0", "--steps", "1", "--device", "cpu", "--shape-args", TINY,
+                    "--out", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path, env=env)
+    rows = {r["key"]: r for r in json.loads((tmp_path / "suite_kept.json").read_text())["rows"]}
+    assert list(rows) == ["resident-ckptnone", "ckptnone", "long-uncapped", "long-aoff"]
+    assert not [key for key, r in rows.items() if "error" in r]
+    allocator = {key: json.loads((tmp_path / "suite_kept" / f"{key}-r1.json").read_text())["allocator"]
+                 for key in rows}
+    # layers kept (a resident run without checkpointing too) grow segments, as offload-train's do
+    assert allocator == {"resident-ckptnone": "expandable_segments:True", "ckptnone": "expandable_segments:True",
+                         "long-uncapped": None, "long-aoff": None}
+
+
 def test_a_row_past_its_time_is_killed_and_its_row_says_so(tmp_path) -> None:
     done = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "plain",
                            "--rounds", "1", "--steps", "1", "--warmup", "0", "--row-timeout", "0.5", "--device", "cpu",

@@ -30,7 +30,13 @@ from offload_ext.train.flags import parse_args, run_flags, train_config
 from offload_ext.train.gpu_warmup import GpuWarmup
 from offload_ext.train.inputs import check_inputs
 from offload_ext.train.loop import dist_rank, print_setup, seconds_since_process_start, train_loop
-from offload_ext.train.machine import apply_defaults, check_loss_args, check_loss_chunk, choose_device
+from offload_ext.train.machine import (
+    allocator_for_kept_layers,
+    apply_defaults,
+    check_loss_args,
+    check_loss_chunk,
+    choose_device,
+)
 from offload_ext.train.model_configs import model_config
 from offload_ext.train.setup import build_model
 from offload_ext.train.tokens import build_stream, planned_vocab
@@ -276,15 +282,6 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
     return memory
 
 
-def _allocator_settings(args: argparse.Namespace) -> None:
-    """Kept layers' activations come and go near the GPU's limit, where the caching allocator's default
-    releases and re-maps cached blocks (each a device synchronization: B2's auto step 1.12 s against 1.07 s
-    with expandable segments). So offload-train grows segments instead, unless the user's
-    PYTORCH_CUDA_ALLOC_CONF says otherwise; it is read when CUDA's allocator starts, after this."""
-    if args.activation_checkpointing != "all" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-
-
 def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
     """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
     complete = prior_run.complete_checkpoints(args.out)
@@ -326,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     # does not load, a sequence longer than the model's positions, a plan that does not fit) comes after the
     # corpus's tokenizer is written there: an --out this invocation made is then removed with its refusal.
     fresh_out = not os.path.lexists(args.out)
-    _allocator_settings(args)
+    allocator_for_kept_layers(args.activation_checkpointing)
     try:
         with interrupt.recorded():
             check_inputs(args)
