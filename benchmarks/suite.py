@@ -298,8 +298,9 @@ def _gb(v: float | None) -> str:
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| row | mode | GPU cap | s/step (rounds) | tok/s | model TFLOP/s | time vs peer, each round | "
-             "GPU peak GB | host RSS peak GB | clipped |", "|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
+    lines = ["| row | mode | GPU cap | s/step (rounds), range of the steps | tok/s | model TFLOP/s | "
+             "time vs peer, each round | GPU peak GB | host RSS peak GB | clipped |",
+             "|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         cap = (f"{r['cap_gb']:g} GB" if r["cap_gb"] else "none") + (f", host {r['host_gb']:g} GB" if r.get("host_gb")
                                                                     else "")
@@ -309,11 +310,14 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['key']} | {mode} | {cap} | not run: {reason} | | | | | | |")
             continue
         rounds = ", ".join(f"{t:.4f}" for t in r["round_step_s"])
+        steps = [t for one in r["rounds"] for t in one["step_times_s"]]
+        spread = f"{(max(steps) - min(steps)) / r['step_s']:.1%}"
         vs = (", ".join(f"{x:.3f}x" for x in r["round_ratio"]) + f" ({r['peer']})") if r.get("round_ratio") else "-"
         clipped = "-" if r["clipped_fraction"] is None else f"{r['clipped_fraction']:.0%}"
         tflops = "-" if r.get("model_tflops") is None else f"{r['model_tflops']:.0f}"
-        lines.append(f"| {r['key']} | {mode} | {cap} | {r['step_s']:.4f} ({rounds}) | {r['tokens_per_s']:,.0f} | "
-                     f"{tflops} | {vs} | {_gb(r['gpu_peak_gb'])} | {_gb(r['host_rss_peak_gb'])} | {clipped} |")
+        lines.append(f"| {r['key']} | {mode} | {cap} | {r['step_s']:.4f} ({rounds}), {spread} | "
+                     f"{r['tokens_per_s']:,.0f} | {tflops} | {vs} | {_gb(r['gpu_peak_gb'])} | "
+                     f"{_gb(r['host_rss_peak_gb'])} | {clipped} |")
     return "\n".join(lines)
 
 
@@ -325,7 +329,8 @@ def table(path: str, base: str) -> str:
     machine, args = result["machine"], result["args"]
     link = os.path.relpath(os.path.join(_common.REPO_DIR, path), os.path.join(_common.REPO_DIR, base))
     head = (f"{result['preset']}: {args['warmup']} warm-up and {args['steps']} timed steps per row and round, "
-            f"{args['rounds']} rounds; {result['date'][:10]}, commit {result['commit']}, "
+            f"{args['rounds']} round{'s' if args['rounds'] != 1 else ''}; {result['date'][:10]}, "
+            f"commit {result['commit']}, "
             f"{machine.get('gpu') or 'CPU'} ({machine.get('usable_cpus', '?')}-core host, "
             f"{machine.get('mem_total_gb', '?')} GB RAM); [{os.path.basename(path)}]({link})")
     return head + "\n\n" + rows_table(result["rows"])

@@ -60,6 +60,14 @@ def test_a_marked_table_is_regenerated_from_the_file_its_marker_names(measured, 
     assert suite.rewrite(text, "docs") == text  # regenerating again changes nothing
 
 
+def test_a_row_s_spread_is_the_range_of_all_its_timed_steps_over_their_median(measured) -> None:
+    row = next(r for r in measured[1]["rows"] if r["key"] == "clipreal")
+    steps = [t for one in row["rounds"] for t in one["step_times_s"]]
+    line = next(x for x in suite.rows_table([row]).splitlines() if x.startswith("| clipreal |"))
+    rounds = ", ".join(f"{t:.4f}" for t in row["round_step_s"])
+    assert f"| {row['step_s']:.4f} ({rounds}), {(max(steps) - min(steps)) / row['step_s']:.1%} |" in line
+
+
 def test_an_unknown_row_is_refused_naming_the_rows_there_are() -> None:
     with pytest.raises(SystemExit, match="b2 has no row 'fast'; its rows: resident-plain, plain"):
         suite.selected("b2", "fast")
