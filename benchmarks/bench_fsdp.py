@@ -96,13 +96,18 @@ def _sync(a: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog) -> dict[str, Any]:
-    gc.collect()  # the modes before: FSDP2's modules and hooks hold reference cycles
+def _release(a: argparse.Namespace) -> None:
+    """What a mode held, given back before the next one and before its row is gathered."""
+    gc.collect()  # FSDP2's modules and hooks hold reference cycles
     if a.device == "cuda":
         torch.cuda.empty_cache()
         # and the page-locked blocks torch's host allocator keeps cached (CPUOffloadPolicy's), where it can
         getattr(torch._C, "_host_emptyCache", lambda: None)()
         torch.cuda.reset_peak_memory_stats()
+
+
+def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog) -> dict[str, Any]:
+    _release(a)
     memory.label(mode)
     t0 = time.perf_counter()
     model = build(a, mode.startswith("offload"), mesh)
@@ -130,6 +135,7 @@ def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog)
            "setup_s": setup, "losses": losses, "host_peak_rss_gb": memory.peak(),
            "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0}
     del model, opt
+    _release(a)
     return row
 
 
@@ -139,6 +145,9 @@ def main() -> None:
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
+    # NCCL makes its communicator, with device memory of its own outside torch's allocator, at the first
+    # collective: here, while the GPU is empty (made after a resident 8 B mode, it failed for want of memory)
+    dist.barrier()
     mesh = init_device_mesh(a.device, (dist.get_world_size(),))
     memory = HostMemoryLog(os.devnull)
     rows = []
