@@ -143,7 +143,9 @@ PRESETS: dict[str, list[Row]] = {
     # the GPU machine's host (101 GB of RSS planned; bf16 needs 140 GB, clipping 178 GB or more). A quantized base is
     # dequantized inside each streamed layer: these rows keep the Offloader's fixed layout
     "reach": [*_pairs("llama-70b", ["lora16-baseint8", "lora16-basenf4"], CAP_GB, prefix="70b-", layout=""),
-              Row("24b-8bit", "mistral-24b", "native-8bitsr", None, CAP_GB)],
+              Row("24b-8bit", "mistral-24b", "native-8bitsr", None, CAP_GB),
+              # the Qwen2.5-14B shape's full fine-tune in bf16 under the cap, with the default layout (~85 GB of RSS)
+              Row("14b", "qwen-14b", "native-bf16-auto", None, CAP_GB)],
 }
 
 
