@@ -16,8 +16,8 @@ _DEVICES = "cuda, cuda:N, cpu, cpu-sim (the offload engine on the simulated devi
 
 def allocator_for_kept_layers(checkpointing: str | int) -> None:
     """Kept layers' activations come and go near the GPU's limit, where the caching allocator's default
-    releases and re-maps cached blocks (each a device synchronization: B2's auto step 1.12 s against 1.07 s
-    with expandable segments). So a run that keeps layers grows segments instead, unless the user's
+    releases and re-maps cached blocks, each a device synchronization (docs/history.md measures what that costs
+    a step). So a run that keeps layers grows segments instead, unless the user's
     PYTORCH_CUDA_ALLOC_CONF says otherwise; it is read when CUDA's allocator starts, after this."""
     if checkpointing != "all" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
