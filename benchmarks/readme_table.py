@@ -42,6 +42,20 @@ ROWS = [
 ]
 
 
+# Rows that start from the same weights on the same batch give the same first loss (before any step), up to the
+# order a forward's kernels round in: at most 0.07 % apart so far (the 70 B NF4 pair, two dequantization paths). A
+# wider gap means the row trained other weights, and its time is not the same run's.
+START_TOLERANCE = 2e-3
+
+
+def other_start(row: dict, peer: dict) -> str | None:
+    """Why `row` (a suite row with rounds) is not the run its `peer` is, from their first losses; None if it is."""
+    ours, theirs = (r["rounds"][0].get("losses") or [None] for r in (row, peer))
+    if ours[0] is None or theirs[0] is None or abs(ours[0] - theirs[0]) <= START_TOLERANCE * abs(theirs[0]):
+        return None
+    return f"first loss {ours[0]:.4f} against {theirs[0]:.4f}: other weights"
+
+
 def _ran(row: dict | None) -> bool:
     return row is not None and row.get("step_s") is not None
 
@@ -88,6 +102,8 @@ def _row(what: str, shape: str, key: str, suites: list[tuple[str, str, dict]]) -
     else:
         beside = f"`{peer['mode']}`: {peer['step_s']:.3f} s"
         ratios = ", ".join(f"{x:.3f}x" for x in ours["round_ratio"])
+        mismatch = other_start(ours, peer)
+        ratios += f" ({mismatch})" if mismatch else ""
         peaks = (_gb(peer["gpu_peak_gb"]), _gb(peer["host_rss_peak_gb"]))
     machine = result["machine"]
     return (f"| {SHAPES[ours['shape']]}, {what} | `{ours['mode']}`: {ours['step_s']:.3f} s | {cap} | "

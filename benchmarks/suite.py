@@ -315,6 +315,9 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
         steps = [t for one in r["rounds"] for t in one["step_times_s"]]
         spread = f"{(max(steps) - min(steps)) / r['step_s']:.1%}"
         vs = (", ".join(f"{x:.3f}x" for x in r["round_ratio"]) + f" ({r['peer']})") if r.get("round_ratio") else "-"
+        peer = next((p for p in rows if p["key"] == r["peer"]), None)
+        mismatch = r.get("round_ratio") and peer is not None and readme_table.other_start(r, peer)
+        vs += f"; {mismatch}" if mismatch else ""
         clipped = "-" if r["clipped_fraction"] is None else f"{r['clipped_fraction']:.0%}"
         tflops = "-" if r.get("model_tflops") is None else f"{r['model_tflops']:.0f}"
         lines.append(f"| {r['key']} | {mode} | {cap} | {r['step_s']:.4f} ({rounds}), {spread} | "

@@ -68,3 +68,15 @@ def test_the_suite_s_table_rewrite_regenerates_the_readme_table_too() -> None:
     gen = _generator()
     stale = f"# Title\n\n{gen.BEGIN}\n| a stale row |\n{gen.END}\n"
     assert suite.rewrite(stale, ".") == f"# Title\n\n{gen.BEGIN}\n{gen.table()}\n{gen.END}\n"
+
+
+def _started(first_loss: float) -> dict:
+    return {"rounds": [{"losses": [first_loss, first_loss - 0.5]}]}
+
+
+def test_a_row_whose_first_loss_is_off_its_peer_s_is_flagged_as_other_weights() -> None:
+    readme_table, peer = _generator(), _started(12.1084)
+    assert readme_table.other_start(_started(12.2250), peer) == "first loss 12.2250 against 12.1084: other weights"
+    # two dequantization paths of the same weights: 0.07 % apart, the same run
+    assert readme_table.other_start(_started(12.1084 * (1 + 7e-4)), peer) is None
+    assert readme_table.other_start({"rounds": [{"losses": []}]}, peer) is None  # a row without losses: no claim
