@@ -158,8 +158,7 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     on_gpu = device.type == "cuda"
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
-    if dist_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)  # every rank: each may write the corpus's files there first
     marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload_ext.models.durable import atomic_write
+
 EMBEDDED = "stdlib"
 
 
@@ -98,7 +100,8 @@ def train_tokenizer(texts: list[str] | None, vocab_size: int, path: str):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tok.save(path)
+    # whole or not there: the ranks of one run train and save it at once, and one may read it as another saves
+    atomic_write(path, lambda f: f.write(tok.to_str(pretty=True).encode()))
     return tok
 
 

@@ -135,7 +135,7 @@ def _corpus_tokens(path: str, texts: Callable[[], list[str]], encode_batch: Call
     if os.path.exists(path):
         return np.load(path)
     tokens = np.concatenate([np.asarray(ids + [eos], dtype=np.int32) for ids in encode_batch(texts())])
-    np.save(path, tokens)
+    atomic_write(path, functools.partial(np.save, arr=tokens))  # whole: another rank may load it at once
     return tokens
 
 
