@@ -70,7 +70,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not _ext.available():
             raise UsageError(f"--backend native: the native extension is not available ({_ext.error()}); "
                              "reinstall with `pip install --no-build-isolation .`, or use --backend python")
-    os.makedirs(args.out, exist_ok=True)
     # The GPU's libraries load on a thread while the data and the model are prepared (both hold the GIL).
     warmup = GpuWarmup(device, args.seq_len) if on_gpu else None
     # One phase after another: tokenizing the corpus on a thread while the engine page-locked its buffers made
@@ -130,12 +129,13 @@ def _resume_point(args: argparse.Namespace) -> checkpoint_manifest.Checkpoint | 
 
 def _seed_and_data(args: argparse.Namespace, began: float,
                    entered: float) -> tuple[list[tuple[str, float]], data_mod.TokenStream, Any, int]:
-    """Seed Python's and numpy's RNGs, build the token stream; the set-up's phase marks so far. The phases are
-    printed once (what "time to the first step" counts), from the process's start: the interpreter and the
-    imports before run() (torch's among them) are the first."""
+    """Seed Python's and numpy's RNGs, make --out, build the token stream; the set-up's phase marks so far. The
+    phases are printed once (what "time to the first step" counts), from the process's start: the interpreter and
+    the imports before run() (torch's among them) are the first."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     marks = [("start", began), ("imports", entered)]
+    os.makedirs(args.out, exist_ok=True)  # by every rank of an FSDP run: each may write the corpus's files there
     try:
         stream, tokenizer, vocab = build_stream(args)
     except ValueError as exc:  # bad data arguments: the message names the flag and the fix
@@ -158,7 +158,6 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     on_gpu = device.type == "cuda"
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
-    os.makedirs(args.out, exist_ok=True)  # every rank: each may write the corpus's files there first
     marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
