@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
-from offload_ext.optim.clipping import Clipping, sq_sum
+from offload_ext.optim.clipping import Clipping, sum_squares
 
 # What a refused (non-finite) norm leaves: the optimizer as it was before the step, ready for the next one.
 _REFUSED = (" and the steps taken in backward are undone: zero_grad() and go on with the next batch, or lower "
@@ -42,7 +42,7 @@ def check_clippable(params: Sequence[torch.Tensor]) -> None:
 
 def local_sq(grad: torch.Tensor) -> float:
     """The float64 sum of the squares of this rank's part of a gradient."""
-    return float(sq_sum(local(grad).detach()))
+    return float(sum_squares(local(grad).detach()))
 
 
 def global_sq(sums: Sequence[float], params: Sequence[torch.Tensor]) -> float:
