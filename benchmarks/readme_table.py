@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_table.py) -->", "<!-- perf-table:end -->"
 
 SHAPES = {"b1": "B1 (Llama-3.2-1B shape, 4 x 2048 tokens)", "b2": "B2 (Llama-3.1-8B shape, 2 x 4096 tokens)",
+          "b2-32k": "Llama-3.1-8B shape, 1 x 32768 tokens", "qwen-14b": "Qwen2.5-14B shape, 1 x 4096 tokens",
           "mistral-24b": "Mistral-Small-24B shape, 1 x 4096 tokens",
           "llama-70b": "Llama-3.1-70B shape, 1 x 4096 tokens"}
 # (what the row is, shape, the suite's row key): each from the newest GPU result file where the row ran and so did
@@ -36,6 +37,10 @@ ROWS = [
     ("torchao's CPUOffloadOptimizer, clip 1.0", "b1", "torchao"),
     ("DeepSpeed ZeRO-3 offload, tuned, clip 1.0", "b2", "deepspeed-tuned"),
     ("LoRA r16, beside resident LoRA (bf16 adapters both)", "b2", "b2-lora16"),
+    ("every layer kept (no recompute), beside resident without checkpointing", "b1", "ckptnone"),
+    ("layers kept where the cap has room, beside resident-lean", "b2", "b2-ckptauto"),
+    ("activation offload, beside the same run uncapped", "b2-32k", "long-aoff"),
+    ("full fine-tune, bf16", "qwen-14b", "14b"),
     ("full fine-tune, 8-bit moments", "mistral-24b", "24b-8bit"),
     ("LoRA r16 on an NF4 base, beside bitsandbytes' QLoRA", "llama-70b", "70b-lora16-basenf4"),
     ("LoRA r16 on an int8 base, beside it resident", "llama-70b", "70b-lora16-baseint8"),
