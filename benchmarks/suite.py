@@ -14,7 +14,9 @@ embedded corpus, so that clipping at 1.0 follows a real run's first steps), a ro
 with; the next round runs them in the reverse order, so that no row always runs first. Every row keeps each
 round's step times, its GPU peak (torch's allocator) and its host RSS peak (the process's, from the kernel), and
 the GPU cap it ran under; a ratio is taken within each round, between a row and its peer of the same round, and
-the table shows each round's ratio: a headline holds when it holds in every round.
+the table shows each round's ratio: a headline holds when it holds in every round. A row's process is killed with every
+process below it (torchrun's ranks) at --row-timeout; SIGTERM (a `timeout` around the suite) kills the
+row running and writes the file with the rounds measured before it.
 
 The results go to `suite_<preset>.json` (and .md) in the run's directory (benchmarks/results/<date>_<commit>/),
 beside a `suite_<preset>/` folder of each process's own result file and log. The tables in docs/performance.md
@@ -30,6 +32,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -208,8 +211,53 @@ def _command(row: Row, a: argparse.Namespace, stem: str) -> list[str]:
     return cmd
 
 
+class Stop:
+    """SIGTERM (what `timeout` sends) while the suite measures: the row running is killed, no row starts after it,
+    and the suite writes what it measured; a `timeout` around the suite then leaves its file, not only its rows'."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.running: subprocess.Popen | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        if self.running is not None:
+            kill_group(self.running)
+
+
+STOP = Stop()
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every live process below it, parents first (each process's parent read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a row's process and every process below it: torchrun's ranks outlive a killed torchrun (each in a
+    session of its own), holding the GPU and the host's memory while the next rows run."""
+    for pid in _tree(proc.pid):  # listed before any is killed: an orphan's parent is no longer its row's
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str, Any]:
-    """One process of one row: its bench_train row, with the host RSS peak the kernel recorded for it."""
+    """One process of one row (killed with the processes below it), its bench_train row, with the host RSS peak the
+    kernel recorded for it."""
     stem = os.path.join(jobs, f"{row.key}-r{round_}")
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the process's files stay in the jobs folder
     if row.host_gb:
@@ -217,10 +265,15 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
     with open(stem + ".log", "w") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(_command(row, a, stem), stdout=log, stderr=subprocess.STDOUT, env=env)
-        timer = threading.Timer(a.row_timeout, proc.kill)  # a row that hangs costs its own time, not the suite's
+        STOP.running = proc
+        if STOP.requested:  # the signal came before the row was known to it
+            kill_group(proc)
+        # a row that hangs costs its own time, not the suite's
+        timer = threading.Timer(a.row_timeout, kill_group, (proc,))
         timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
         timer.cancel()
+        STOP.running = None
         proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t0
     if seconds >= a.row_timeout:
@@ -246,7 +299,10 @@ def measure(rows: list[Row], a: argparse.Namespace, jobs: str) -> dict[str, list
     got: dict[str, list[dict[str, Any]]] = {r.key: [] for r in rows}
     for k in range(a.rounds):
         for row in rows if k % 2 == 0 else rows[::-1]:
-            result = run_row(row, a, jobs, k + 1)
+            result = run_row(row, a, jobs, k + 1) if not STOP.requested else None
+            if STOP.requested:  # the row killed half way: no round of it
+                print(f"suite: stopped (SIGTERM) in round {k + 1} at {row.key}; writing what was measured", flush=True)
+                return got
             got[row.key].append(result)
             shown = f"{result['step_s']:.4f} s" if "error" not in result else result["error"][:200]
             print(f"suite: round {k + 1} {row.key:20s} {row.mode:32s} {shown}", flush=True)
@@ -260,6 +316,10 @@ def summarise(rows: list[Row], got: dict[str, list[dict[str, Any]]]) -> list[dic
     for row in rows:
         rounds = got[row.key]
         entry: dict[str, Any] = {**dataclasses.asdict(row), "rounds": rounds}
+        if not rounds:
+            entry["error"] = "not run: the suite was stopped (SIGTERM) before this row"
+            out.append(entry)
+            continue
         errors = [r["error"] for r in rounds if "error" in r]
         if errors:
             entry["error"] = errors[0]
@@ -375,7 +435,10 @@ def main() -> None:
         return
     presets = list(PRESETS) if a.preset == "all" else [a.preset]
     written: dict[str, str] = {}
+    signal.signal(signal.SIGTERM, STOP)
     for preset in presets:
+        if STOP.requested:
+            break
         rows = selected(preset, a.only if a.preset != "all" else None)
         out = a.out or _common.run_dir(_common.git_commit(), datetime.datetime.now(datetime.timezone.utc))
         got = measure(rows, a, os.path.join(out, f"suite_{preset}"))
@@ -385,8 +448,10 @@ def main() -> None:
         paths = _common.write_results(f"suite_{preset}", payload, markdown, out_dir=out)
         written[preset] = os.path.relpath(paths[0], _common.REPO_DIR)
         print(markdown, flush=True)
-    if a.device == "cuda" and not a.out:
+    if a.device == "cuda" and not a.out and not STOP.requested:
         write_tables(targets, written)
+    if STOP.requested:
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

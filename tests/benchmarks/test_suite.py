@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,52 @@ def test_newer_deepspeed_engines_in_bf16_are_refused_naming_the_mode_that_runs(m
     with pytest.raises(SystemExit, match=f"run it in mixed: {mixed}$"):
         bench_train.Mode.parse(mode)
     assert bench_train.Mode.parse(mixed).precision == "mixed"
+
+
+def _left_running(marker: str) -> list[str]:
+    """The command lines of live processes that name `marker` (zombies excluded)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile
+            continue
+        if marker in cmd and state != "Z" and int(pid) != os.getpid():
+            found.append(cmd)
+    return found
+
+
+def test_a_row_killed_at_its_time_takes_the_processes_it_started_with_it(tmp_path) -> None:
+    # torchrun spawns its rank within ~2 s; the rank needs ~7 s here. Killed at 4 s, the rank must not outlive it
+    # (on the GPU machine such a rank held 66 GB of host and 23 GB of GPU while the next rows ran)
+    shape = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256 --batch 2 --seq 32"
+    done = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "fsdp", "--only", "fsdp-resident",
+                           "--rounds", "1", "--warmup", "1", "--steps", "2", "--row-timeout", "4", "--device", "cpu",
+                           "--shape-args", shape, "--out", str(tmp_path)], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    row = json.loads((tmp_path / "suite_fsdp.json").read_text())["rows"][0]
+    assert row["error"] == "killed after --row-timeout 4 s"
+    assert _left_running(str(tmp_path)) == []
+
+
+def test_a_suite_stopped_by_sigterm_writes_the_rounds_measured_before_it(tmp_path) -> None:
+    proc = subprocess.Popen([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "plain",
+                             "--rounds", "2", "--warmup", "0", "--steps", "1", "--device", "cpu", "--shape-args", TINY,
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)
+    second = tmp_path / "suite_b1" / "plain-r1.log"  # made as round 1's second row starts, the first one done
+    deadline = time.monotonic() + 300
+    while not second.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    rows = {r["key"]: r for r in json.loads((tmp_path / "suite_b1.json").read_text())["rows"]}
+    assert len(rows["resident-plain"]["rounds"]) == 1 and "error" not in rows["resident-plain"]
+    assert rows["plain"]["error"] == "not run: the suite was stopped (SIGTERM) before this row"
+    assert "stopped (SIGTERM) in round 1 at plain" in output
+    assert _left_running(str(tmp_path)) == []
