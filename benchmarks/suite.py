@@ -135,11 +135,15 @@ PRESETS: dict[str, list[Row]] = {
              Row("long-uncapped", "b2-32k", "native-bf16-auto"),
              Row("long-aoff", "b2-32k", "native-bf16-auto-aoff", "long-uncapped", CAP_GB)],
     # FSDP2's CPU offload on one GPU, clip 1.0: torch's AdamW as FSDP2 runs it and fused, CPUAdamW after backward
-    # and overlapped with it; each offloaded row against the strongest torch one
+    # and overlapped with it; each offloaded row against the strongest torch one of its recipe
     "fsdp": [Row("fsdp-resident", "b2", "resident", fsdp=True),
              Row("fsdp-torchfused-clip", "b2", "offload-torchfused-clip", "fsdp-resident", fsdp=True),
              *(Row(f"fsdp-{m}", "b2", f"offload-{m}", "fsdp-torchfused-clip", fsdp=True)
-               for m in ("torch-clip", "cpuadamw-clip", "overlap-clip"))],
+               for m in ("torch-clip", "cpuadamw-clip", "overlap-clip")),
+             # and without clipping: the overlap on and off where a host cannot hold the state a clipped overlap
+             # keeps for its redos (the 8 B shape's 80 GB of host buffers do not fit the GPU machine's 125 GB)
+             Row("fsdp-torchfused", "b2", "offload-torchfused", "fsdp-resident", fsdp=True),
+             *(Row(f"fsdp-{m}", "b2", f"offload-{m}", "fsdp-torchfused", fsdp=True) for m in ("cpuadamw", "overlap"))],
     # issue 38's reach: LoRA r16 on the 70 B shape, its base quantized, offloaded under the cap against the same
     # base resident (int8: the engine's storage; NF4: bitsandbytes' QLoRA); the 24 B shape's full fine-tune alone
     # (nothing resident holds it), in 8-bit moments without clipping: the precision and recipe its plan fits in
