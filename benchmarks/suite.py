@@ -14,9 +14,9 @@ embedded corpus, so that clipping at 1.0 follows a real run's first steps), a ro
 with; the next round runs them in the reverse order, so that no row always runs first. Every row keeps each
 round's step times, its GPU peak (torch's allocator) and its host RSS peak (the process's, from the kernel), and
 the GPU cap it ran under; a ratio is taken within each round, between a row and its peer of the same round, and
-the table shows each round's ratio: a headline holds when it holds in every round. A row's process is killed with every
-process below it (torchrun's ranks) at --row-timeout; SIGTERM (a `timeout` around the suite) kills the
-row running and writes the file with the rounds measured before it.
+the table shows each round's ratio: a headline holds when it holds in every round. A row's process is killed
+with every process below it (torchrun's ranks) at --row-timeout; SIGTERM (a `timeout` around the suite) kills
+the row running and writes the file with the rounds measured before it.
 
 The results go to `suite_<preset>.json` (and .md) in the run's directory (benchmarks/results/<date>_<commit>/),
 beside a `suite_<preset>/` folder of each process's own result file and log. The tables in docs/performance.md
@@ -226,7 +226,7 @@ class Stop:
     def __call__(self, signum: int, frame: Any) -> None:
         self.requested = True
         if self.running is not None:
-            kill_group(self.running)
+            kill_tree(self.running)
 
 
 STOP = Stop()
@@ -249,7 +249,7 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """Kill a row's process and every process below it: torchrun's ranks outlive a killed torchrun (each in a
     session of its own), holding the GPU and the host's memory while the next rows run."""
     for pid in _tree(proc.pid):  # listed before any is killed: an orphan's parent is no longer its row's
@@ -271,9 +271,9 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
         proc = subprocess.Popen(_command(row, a, stem), stdout=log, stderr=subprocess.STDOUT, env=env)
         STOP.running = proc
         if STOP.requested:  # the signal came before the row was known to it
-            kill_group(proc)
+            kill_tree(proc)
         # a row that hangs costs its own time, not the suite's
-        timer = threading.Timer(a.row_timeout, kill_group, (proc,))
+        timer = threading.Timer(a.row_timeout, kill_tree, (proc,))
         timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
         timer.cancel()
@@ -304,7 +304,7 @@ def measure(rows: list[Row], a: argparse.Namespace, jobs: str) -> dict[str, list
     for k in range(a.rounds):
         for row in rows if k % 2 == 0 else rows[::-1]:
             result = run_row(row, a, jobs, k + 1) if not STOP.requested else None
-            if STOP.requested:  # the row killed half way: no round of it
+            if STOP.requested:  # no round of the row it stopped
                 print(f"suite: stopped (SIGTERM) in round {k + 1} at {row.key}; writing what was measured", flush=True)
                 return got
             got[row.key].append(result)
