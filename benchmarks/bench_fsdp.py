@@ -115,13 +115,19 @@ def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog)
     setup = time.perf_counter() - t0
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     gen = torch.Generator().manual_seed(1 + dist.get_rank())  # each rank its own data
-    times, losses = [], []
+    # Offloaded modes: the time after backward (clipping and the step) too, with the GPU synchronized between
+    # (a resident step queues its optimizer behind backward: a sync there would change what is timed).
+    offloaded = mode.startswith("offload")
+    times, after, losses = [], [], []
     for k in range(a.warmup + a.steps):
         batch = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen).to(device)
         _sync(a)
         t0 = time.perf_counter()
         loss = model(input_ids=batch, labels=batch).loss  # through the root's forward: FSDP2 gathers its params
         loss.backward()
+        if offloaded:
+            _sync(a)
+            t1 = time.perf_counter()
         if mode.endswith("-clip") and mode.removesuffix("-clip") not in ("offload-overlap", "offload-cpuadamw"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
@@ -129,9 +135,12 @@ def run_mode(mode: str, a: argparse.Namespace, mesh: Any, memory: HostMemoryLog)
         _sync(a)
         if k >= a.warmup:
             times.append(time.perf_counter() - t0)
+            if offloaded:
+                after.append(time.perf_counter() - t1)
         losses.append(float(loss.detach()))
     step = statistics.median(times)
     row = {"mode": mode, "step_s": step, "step_times_s": times, "tokens_per_s_per_gpu": a.batch * a.seq / step,
+           "after_backward_s": statistics.median(after) if after else None,
            "setup_s": setup, "losses": losses, "host_peak_rss_gb": memory.peak(),
            "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else 0.0}
     del model, opt
@@ -162,6 +171,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             r = per_rank[0]
             print(f"  {mode:20s} " + (f"step {r['step_s']:.4f} s  {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU  "
+                                      f"after backward {_s(r['after_backward_s'])} s  "
                                       f"GPU peak {r['gpu_peak_gb']:.2f} GB  RSS peak {r['host_peak_rss_gb']:.1f} GB  "
                                       f"losses {' '.join(f'{x:.4f}' for x in r['losses'])}"
                                       if "error" not in r else r["error"]), flush=True)
@@ -171,24 +181,30 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.4f}"
+
+
 def _write(a: argparse.Namespace, rows: list[list[dict[str, Any]]]) -> None:
     world = len(rows[0])
     torch_time = {r[0]["mode"].replace("offload-torch", ""): r[0]["step_s"] for r in rows
                   if r[0]["mode"].removesuffix("-clip") == "offload-torch" and "error" not in r[0]}
     lines = [f"FSDP2, {world} rank(s) ({a.device}), Llama {a.layers} layers, hidden {a.hidden}, batch {a.batch} x "
              f"{a.seq} per rank, bf16, activation checkpointing.", "",
-             "| mode | s/step (rank 0) | tok/s per GPU | torch AdamW offload / this (time) | GPU peak GB per rank | "
-             "host peak RSS GB per rank |", "|---|---:|---:|---:|---|---|"]
+             "| mode | s/step (rank 0) | tok/s per GPU | after backward s (clip, step) | "
+             "torch AdamW offload / this (time) | GPU peak GB per rank | host peak RSS GB per rank |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for per_rank in rows:
         r = per_rank[0]
         if "error" in r:
-            lines.append(f"| {r['mode']} | {r['error']} | - | - | - | - |")
+            lines.append(f"| {r['mode']} | {r['error']} | - | - | - | - | - |")
             continue
         peer = torch_time.get("-clip" if r["mode"].endswith("-clip") else "")
         ratio = f"{peer / r['step_s']:.3f}x" if peer and r["mode"].startswith("offload") else "-"
         gpu = ", ".join(f"{x['gpu_peak_gb']:.2f}" for x in per_rank if "error" not in x)
         rss = ", ".join(f"{x['host_peak_rss_gb']:.1f}" for x in per_rank if "error" not in x)
-        lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s_per_gpu']:.0f} | {ratio} | {gpu} | {rss} |")
+        lines.append(f"| {r['mode']} | {r['step_s']:.4f} | {r['tokens_per_s_per_gpu']:.0f} | "
+                     f"{_s(r['after_backward_s'])} | {ratio} | {gpu} | {rss} |")
     payload = {"args": vars(a), "world_size": world, "rows": rows}
     for path in write_results(a.stem, payload, "\n".join(lines) + "\n"):
         print(f"wrote {path}")

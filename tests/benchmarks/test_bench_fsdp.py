@@ -23,3 +23,6 @@ def test_bench_fsdp_runs_each_mode_on_two_cpu_ranks_and_writes_a_row_per_rank(tm
     # bf16 parameters: the two AdamWs round differently, and three steps move the losses apart a little
     assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(overlap_losses, torch_losses))
     assert "offload-overlap" in (tmp_path / "smoke.md").read_text()
+    # the time after backward, for the offloaded modes only, within the step's
+    assert all((r["after_backward_s"] is None) == (r["mode"] == "resident") for per_rank in rows for r in per_rank)
+    assert all(0 < r["after_backward_s"] < r["step_s"] for per_rank in rows for r in per_rank if r["after_backward_s"])

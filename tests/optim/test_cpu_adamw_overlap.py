@@ -248,8 +248,8 @@ def test_fsdp2_clipping_in_backward_takes_the_global_norm_across_ranks_and_redoe
 
 
 
-class _Float64Copies(TorchDispatchMode):
-    """The sizes of the float64 tensors made by torch ops while active."""
+class _Made(TorchDispatchMode):
+    """The element counts of the tensors torch ops other than views (detach) return while active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -257,19 +257,22 @@ class _Float64Copies(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+        if isinstance(out, torch.Tensor) and not func.is_view:
             self.sizes.append(out.numel())
         return out
 
 
-def test_the_norm_reads_each_bf16_gradient_once_without_a_float64_copy() -> None:
-    # torch's float64 path copies a gradient to float64 and squares it: two allocations of 8 bytes an element,
-    # tens of seconds a step over an 8 B model's gradients on the host. The extension's op sums the same squares.
+def test_a_clipped_step_reads_each_bf16_gradient_in_the_kernels_alone() -> None:
+    # torch's float64 norm copies a gradient to float64 and squares it (two allocations of 8 bytes an element,
+    # tens of seconds a step over an 8 B model's gradients on the host), and an in-place scale is one more pass
+    # over it: the extension's sum_squares takes the squares and the AdamW kernel reads the gradient scaled.
     # (Steps after backward: a dispatch mode does not follow the in-backward steps' thread; both take local_sq.)
     model = _model(torch.bfloat16)
     opt = offload_ext.CPUAdamW(_groups(model), max_grad_norm=1e-2)
-    with _Float64Copies() as made:
+    for k in range(2):  # the first step makes the state
         model(torch.randn(8, 33).bfloat16()).float().pow(2).mean().backward()
-        opt.step()
+        with _Made() if k else contextlib.nullcontext() as made:
+            opt.step()
+        opt.zero_grad()
     assert opt.last_clip_action == "clipped"
-    assert max(made.sizes, default=0) <= 1  # the sums alone, never a gradient
+    assert made.sizes and max(made.sizes) <= 1  # the sums and step counts, never a gradient's size

@@ -73,9 +73,11 @@ class CPUAdamW(torch.optim.Optimizer):
     across ranks for DTensor shards; offload_ext.optim.global_clip). With overlap, the steps in backward keep a
     copy of the state before them; `step()` takes the norm and commits them, or redoes each from its copy with
     the scaled gradient (`last_clip_action`: "committed" / "redone"; without overlap "unclipped" / "clipped";
-    `last_grad_norm`). The copies cost one more parameter and both moments (and the fp32 master) per
-    parameter, on the host. A non-finite norm raises FloatingPointError, as clip_grad_norm_(error_if_nonfinite=
-    True) does, with no step applied (the steps in backward undone).
+    `last_grad_norm`). The step reads a bf16 gradient scaled inside the kernel and leaves `.grad` as backward
+    made it; fp32 gradients and 8-bit states' are scaled in place, as clip_grad_norm_ does. The copies cost one
+    more parameter and both moments (and the fp32 master) per parameter, on the host. A non-finite norm raises
+    FloatingPointError, as clip_grad_norm_(error_if_nonfinite=True) does, with no step applied (the steps in
+    backward undone).
     """
 
     def __init__(
@@ -237,14 +239,19 @@ class CPUAdamW(torch.optim.Optimizer):
         self._step_param(group, p, stream)
 
     @torch.no_grad()
-    def _step_param(self, group: dict[str, Any], p: torch.Tensor, stream: int) -> None:
-        """One parameter's fused AdamW step with its gradient as it is now (`stream`: its stochastic
-        rounding stream)."""
+    def _step_param(self, group: dict[str, Any], p: torch.Tensor, stream: int, scale: float = 1.0) -> None:
+        """One parameter's fused AdamW step with its gradient as it is now, scaled by `scale` (clipping; `stream`:
+        its stochastic rounding stream)."""
         if p.grad.is_sparse:
             raise RuntimeError("CPUAdamW does not support sparse gradients")
         state = self._init_state(p, group)
         state["step"] += 1
         sr_seed = self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None
+        # The fused kernel reads a bf16 gradient scaled as torch's clipping scales it, bit for bit: no pass of
+        # its own over the gradient; the 8-bit kernel and fp32 gradients take the scale in place first.
+        in_kernel = p.grad.dtype == torch.bfloat16 and "exp_avg_absmax" not in state
+        if scale != 1.0 and not in_kernel:
+            local(p.grad).mul_(scale)
         if "exp_avg_absmax" in state:
             eight_bit.adamw8bit_step(p.detach().view(-1), p.grad.detach().contiguous().view(-1), state["exp_avg"],
                                      state["exp_avg_sq"], state["exp_avg_absmax"], state["exp_avg_sq_absmax"],
@@ -267,6 +274,7 @@ class CPUAdamW(torch.optim.Optimizer):
             step=int(state["step"].item()),
             sr_seed=sr_seed,
             sr_stream=stream,
+            grad_scale=scale if in_kernel else 1.0,
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

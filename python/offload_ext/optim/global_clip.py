@@ -113,9 +113,10 @@ class GlobalClip:
         self._preserved.save(p, state)
 
     def step(self, stepped: Stepped, done: set[int], states: Mapping[torch.Tensor, dict],
-             step_param: Callable[[dict[str, Any], torch.Tensor, int], None]) -> None:
+             step_param: Callable[[dict[str, Any], torch.Tensor, int, float], None]) -> None:
         """Clip and step the parameters that have a gradient (`stepped`, in optimizer order); those whose ids are
-        in `done` were stepped in backward."""
+        in `done` were stepped in backward. `step_param(group, p, stream, scale)` steps with the gradient scaled by
+        `scale` as torch's clipping scales it."""
         sums = [self._sq.pop(id(p)) if id(p) in done else local_sq(p.grad) for _, p, _ in stepped]
 
         def undo() -> None:
@@ -129,8 +130,6 @@ class GlobalClip:
                     continue  # its step in backward stands
                 if id(p) in done:
                     self._preserved.restore(p, states[p])
-                if scale < 1.0:
-                    local(p.grad).mul_(scale)
-                step_param(group, p, stream)
+                step_param(group, p, stream, scale)
 
         self.rule.step(global_sq(sums, [p for _, p, _ in stepped]), clipped_step, speculated=bool(done), undo=undo)
