@@ -1,11 +1,10 @@
 """offload-train --fsdp under torchrun: FSDP2 (fully_shard per decoder layer and the root; CPUOffloadPolicy on
-GPUs) with CPUAdamW(overlap=True) stepping each rank's shards in backward, the model built on the meta device
+GPUs) with CPUAdamW stepping each rank's shards after backward, the model built on the meta device
 and each rank's shards filled from the run's weights (offload_ext.models.fsdp_shards), each rank its own batches, and
 checkpoints: the gathered weights as HF safetensors on rank 0, and a distributed checkpoint to resume from."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import random
@@ -79,7 +78,7 @@ class RankBatches:
 
 
 class FsdpTrainer:
-    """The Trainer interface (lr, train_step, save, load) over an FSDP2 model and CPUAdamW(overlap=True)."""
+    """The Trainer interface (lr, train_step, save, load) over an FSDP2 model and CPUAdamW."""
 
     off = None  # no Offloader: the loop's engine-only columns stay out of the metrics
 
@@ -107,7 +106,11 @@ class FsdpTrainer:
             materialize_shards(model, lambda name, dst: weights.fill(originals[name], dst), "cpu")
         self.model = model
         groups, _ = build_groups(model, None, config.no_decay)
-        self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay, overlap=True,
+        # After backward, not in it: under CPUOffloadPolicy a step in backward first waits for all the work the
+        # device was given (its host gradient's copy among it), so it overlaps nothing; clipped, the steps in
+        # backward keep a second copy of the state on the host and are redone whenever a step clips
+        # (docs/performance.md, FSDP2 with CPUAdamW).
+        self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                             max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
                             stochastic_rounding=stochastic(o.precision), sr_seed=config.seed)
         self.optimizer = self.opt
@@ -126,10 +129,9 @@ class FsdpTrainer:
             last = k == accum - 1
             self.model.set_requires_gradient_sync(last)  # earlier micro-batches: no reduce-scatter, no step
             batch = batches.next_batch().to(self.device)
-            with contextlib.nullcontext() if last else self.opt.no_overlap():
-                loss = self.model(input_ids=batch, labels=batch).loss / accum  # through the root: FSDP2's hooks
-                mark_phase(phases, self.device, "forward")
-                loss.backward()
+            loss = self.model(input_ids=batch, labels=batch).loss / accum  # through the root: FSDP2's hooks
+            mark_phase(phases, self.device, "forward")
+            loss.backward()
             total += loss.item()
             mark_phase(phases, self.device, "backward")
         self.opt.step()
