@@ -276,3 +276,48 @@ def test_a_clipped_step_reads_each_bf16_gradient_in_the_kernels_alone() -> None:
         opt.zero_grad()
     assert opt.last_clip_action == "clipped"
     assert made.sizes and max(made.sizes) <= 1  # the sums and step counts, never a gradient's size
+
+
+def _offload_worker(rank: int, world: int, store: str, max_norm: float | None, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: deterministic GEMMs, as below
+    torch.use_deterministic_algorithms(True)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh, results = init_device_mesh("cuda", (world,)), {}
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            # layers large enough that each gradient's copy to the host takes a while behind backward's kernels
+            model = nn.Sequential(*(nn.Linear(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(6)))
+            for layer in model:
+                fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy())
+            fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+            opt = offload_ext.CPUAdamW(model.parameters(), lr=1e-3, overlap=overlap, max_grad_norm=max_norm)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            for _ in range(3):
+                x = torch.randn(256, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+                model(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            results[overlap] = ([p.to_local().clone() for p in model.parameters()], opt.last_clip_action)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_norm", [None, 1e-3], ids=["unclipped", "clipped"])
+def test_steps_in_backward_read_host_gradients_fsdp2_copied_from_the_gpu_whole(max_norm, tmp_path) -> None:
+    # CPUOffloadPolicy copies each reduced gradient to the host; a step in backward that read one before its copy
+    # landed would step on stale or partial bytes. With deterministic kernels the overlapped run and the one
+    # stepping after backward must agree bit for bit.
+    spawn_ranks(_offload_worker, 1, max_norm, str(tmp_path))
+    results = torch.load(tmp_path / "rank0.pt")
+    (after, after_action), (ours, ours_action) = results[False], results[True]
+    for a, b in zip(ours, after):
+        assert torch.equal(a, b)
+    assert (ours_action, after_action) == (("redone", "clipped") if max_norm else (None, None))
