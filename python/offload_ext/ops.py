@@ -123,9 +123,9 @@ def cross_entropy_rows_backward(
 
 
 def sum_squares(x: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of the squares of a contiguous bf16 tensor's elements (each square exact), as a
-    0-d float64 tensor on its device: one read of the data, no float64 copy of it. On the CPU the order
-    is the engine's host norm pass; on CUDA a fixed grid, the same on every run."""
+    """The float64 sum of the squares of a contiguous bf16 tensor's elements (on the CPU also an fp32 one's; each
+    square exact), as a 0-d float64 tensor on its device: one read of the data, no float64 copy of it. On the CPU
+    the order is the engine's host norm pass; on CUDA a fixed grid, the same on every run."""
     native()
     return torch.ops.offload_ext.sum_squares(x)
 
@@ -255,7 +255,8 @@ def _register_fakes_and_autograd() -> None:
 
     @torch.library.register_fake("offload_ext::sum_squares")
     def _sum_squares_fake(x: torch.Tensor) -> torch.Tensor:
-        torch._check(x.dtype == torch.bfloat16, lambda: "sum_squares: expected a bf16 tensor")
+        torch._check(x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"),
+                     lambda: "sum_squares: expected a bf16 tensor (or an fp32 one on the CPU)")
         return x.new_empty((), dtype=torch.float64)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -194,6 +194,8 @@ def test_cross_entropy_rows_compiles_with_fullgraph() -> None:
 def test_sum_squares_passes_opcheck(device: str) -> None:
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
     torch.library.opcheck(torch.ops.offload_ext.sum_squares.default, (x,))
+    if device == "cpu":
+        torch.library.opcheck(torch.ops.offload_ext.sum_squares.default, (x.float(),))
 
 
 def _bf16_data(n: int) -> torch.Tensor:
@@ -218,6 +220,18 @@ def test_sum_squares_is_the_float64_sum_of_exact_squares(device: str, n: int, of
     assert abs(got.item() - exact) <= k / (1 - k) * exact
 
 
+@pytest.mark.parametrize("n, offset", [(0, 0), (1, 0), (7, 3), (4099, 0), (300_001, 1), (300_001, 5)])
+def test_sum_squares_of_fp32_on_the_cpu_is_the_float64_sum_of_exact_squares(n: int, offset: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n + offset, generator=gen) * torch.pow(2.0, torch.randint(-20, 5, (n + offset,), generator=gen)))
+    x = x[offset:]
+    exact = math.fsum(v * v for v in x.double().tolist())  # an fp32 value squared is exact in float64 (48 bits)
+    got = ops.sum_squares(x)
+    assert got.dtype == torch.float64 and got.shape == ()
+    k = max(n - 1, 0) * 2.0 ** -53  # as for bf16 above
+    assert abs(got.item() - exact) <= k / (1 - k) * exact
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sum_squares_gives_the_same_bits_every_run(device: str) -> None:
     x = _bf16_data(1 << 20).to(device)
@@ -225,10 +239,16 @@ def test_sum_squares_gives_the_same_bits_every_run(device: str) -> None:
 
 
 def test_sum_squares_refuses_what_it_cannot_sum() -> None:
-    with pytest.raises(RuntimeError, match="expected a bf16 tensor, got Float"):
-        ops.sum_squares(torch.ones(4))
+    with pytest.raises(RuntimeError, match="expected a bf16 or fp32 tensor, got Double"):
+        ops.sum_squares(torch.ones(4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="expected a contiguous tensor"):
         ops.sum_squares(torch.ones(4, 4, dtype=torch.bfloat16).t())
+
+
+@GPU
+def test_sum_squares_on_cuda_refuses_fp32() -> None:
+    with pytest.raises(RuntimeError, match="expected a bf16 tensor on this device, got Float"):
+        ops.sum_squares(torch.ones(4, device="cuda"))
 
 
 def _sr_inputs(n: int, device: str) -> tuple[torch.Tensor, ...]:

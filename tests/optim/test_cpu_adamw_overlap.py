@@ -249,17 +249,34 @@ def test_fsdp2_clipping_in_backward_takes_the_global_norm_across_ranks_and_redoe
 
 
 class _Made(TorchDispatchMode):
-    """The element counts of the tensors torch ops other than views (detach) return while active."""
+    """The element counts of the tensors torch ops other than views (detach) return while active, and of the
+    float64 ones among them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.float64: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and not func.is_view:
             self.sizes.append(out.numel())
+            if out.dtype == torch.float64:
+                self.float64.append(out.numel())
         return out
+
+
+def _clipped_second_step(dtype: torch.dtype) -> _Made:
+    """What torch ops a clipped step after backward makes (the first step, which makes the state, not watched)."""
+    model = _model(dtype)
+    opt = offload_ext.CPUAdamW(_groups(model), max_grad_norm=1e-2)
+    for k in range(2):
+        model(torch.randn(8, 33).to(dtype)).float().pow(2).mean().backward()
+        with _Made() if k else contextlib.nullcontext() as made:
+            opt.step()
+        opt.zero_grad()
+    assert opt.last_clip_action == "clipped"
+    return made
 
 
 def test_a_clipped_step_reads_each_bf16_gradient_in_the_kernels_alone() -> None:
@@ -267,15 +284,15 @@ def test_a_clipped_step_reads_each_bf16_gradient_in_the_kernels_alone() -> None:
     # tens of seconds a step over an 8 B model's gradients on the host), and an in-place scale is one more pass
     # over it: the extension's sum_squares takes the squares and the AdamW kernel reads the gradient scaled.
     # (Steps after backward: a dispatch mode does not follow the in-backward steps' thread; both take local_sq.)
-    model = _model(torch.bfloat16)
-    opt = offload_ext.CPUAdamW(_groups(model), max_grad_norm=1e-2)
-    for k in range(2):  # the first step makes the state
-        model(torch.randn(8, 33).bfloat16()).float().pow(2).mean().backward()
-        with _Made() if k else contextlib.nullcontext() as made:
-            opt.step()
-        opt.zero_grad()
-    assert opt.last_clip_action == "clipped"
+    made = _clipped_second_step(torch.bfloat16)
     assert made.sizes and max(made.sizes) <= 1  # the sums and step counts, never a gradient's size
+
+
+def test_the_norm_of_fp32_gradients_makes_no_float64_copy() -> None:
+    # fp32 gradients take the extension's one-pass sum too; their scale is torch's in-place multiply (the kernel
+    # takes a scale for bf16 gradients only)
+    made = _clipped_second_step(torch.float32)
+    assert made.float64 and max(made.float64) <= 1
 
 
 def _offload_worker(rank: int, world: int, store: str, max_norm: float | None, out: str) -> None:

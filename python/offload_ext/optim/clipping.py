@@ -31,10 +31,11 @@ def sq_sum(t: torch.Tensor) -> torch.Tensor:
 
 def sum_squares(t: torch.Tensor) -> torch.Tensor:
     """sq_sum's sum, of the same exact squares in another order (within (n - 1) 2^-53 of it, relative), by one read
-    of `t` where the extension takes it (a contiguous bf16 tensor on a device it is built for): sq_sum copies `t`
-    to float64, squares and sums, three passes over 8 bytes an element and two fresh allocations of that size,
-    tens of seconds a step over an 8 B model's gradients on the host."""
-    if t.dtype == torch.bfloat16 and t.is_contiguous() and ops.native_on(t.device.type):
+    of `t` where the extension takes it (a contiguous bf16 tensor on a device it is built for, or fp32 on the
+    CPU): sq_sum copies `t` to float64, squares and sums, three passes over 8 bytes an element and two fresh
+    allocations of that size, tens of seconds a step over an 8 B model's gradients on the host."""
+    takes = t.dtype == torch.bfloat16 or (t.dtype == torch.float32 and t.device.type == "cpu")
+    if takes and t.is_contiguous() and ops.native_on(t.device.type):
         return ops.sum_squares(t)
     return sq_sum(t)
 

@@ -228,20 +228,37 @@ void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_a
              n, h, pool, level);
 }
 
-double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
-                       SimdLevel level) {
-  auto span = by_level(level, accumulate_span_avx512, accumulate_span_avx2, accumulate_span_scalar);
-  // Fixed chunks, partial sums added in chunk order: the norm does not depend on the thread count.
+namespace {
+
+// sum(b, e) of each fixed chunk of [0, n), the partial sums added in chunk order: a norm that does not depend on
+// the thread count.
+template <class Sum>
+double chunked_sum(int64_t n, ThreadPool& pool, const Sum& sum) {
   constexpr int64_t kNormChunk = int64_t{1} << 18;
   const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
   std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
   pool.parallel_for(chunks, [&](int64_t t) {
     const int64_t b = t * kNormChunk;
-    partial[static_cast<size_t>(t)] = span(accum + b, grad ? grad + b : nullptr, std::min(n, b + kNormChunk) - b, norm);
+    partial[static_cast<size_t>(t)] = sum(b, std::min(n, b + kNormChunk));
   });
   double total = 0.0;
   for (double p : partial) total += p;
   return total;
+}
+
+}  // namespace
+
+double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
+                       SimdLevel level) {
+  auto span = by_level(level, accumulate_span_avx512, accumulate_span_avx2, accumulate_span_scalar);
+  return chunked_sum(n, pool, [&](int64_t b, int64_t e) {
+    return span(accum + b, grad ? grad + b : nullptr, e - b, norm);
+  });
+}
+
+double fp32_sum_squares(const float* x, int64_t n, ThreadPool& pool, SimdLevel level) {
+  auto span = by_level(level, squares_f32_span_avx512, squares_f32_span_avx2, squares_f32_span_scalar);
+  return chunked_sum(n, pool, [&](int64_t b, int64_t e) { return span(x + b, e - b); });
 }
 
 }  // namespace offload_ext

@@ -136,11 +136,15 @@ void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_a
 double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
                        SimdLevel level);
 
+// The float64 sum of squares of an fp32 span (each square exact in float64), in bf16_accumulate's fixed order.
+double fp32_sum_squares(const float* x, int64_t n, ThreadPool& pool, SimdLevel level);
+
 // Per-ISA span kernels, each defined in its own translation unit compiled for that ISA.
 #define OFFLOAD_EXT_DECLARE_SPANS(isa)                                               \
   void adamw_bf16_span_##isa(const Bf16Pass& pass, int64_t n, const AdamWCoef& c);   \
   void adamw_fp32_span_##isa(const Fp32Pass& pass, int64_t n, const AdamWCoef& c);   \
-  double accumulate_span_##isa(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm);
+  double accumulate_span_##isa(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm); \
+  double squares_f32_span_##isa(const float* x, int64_t n);
 OFFLOAD_EXT_DECLARE_SPANS(scalar)
 OFFLOAD_EXT_DECLARE_SPANS(avx2)
 OFFLOAD_EXT_DECLARE_SPANS(avx512)

@@ -108,6 +108,11 @@ struct Avx2Vec {
     lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
     hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
   }
+  static void add_squares_f64(D& lo, D& hi, F x) {  // an fp32 value squared needs float64
+    const __m256d l = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), h = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    lo = _mm256_add_pd(lo, _mm256_mul_pd(l, l));
+    hi = _mm256_add_pd(hi, _mm256_mul_pd(h, h));
+  }
   static constexpr int DW = 4;
   static void store_d(double* p, D x) { _mm256_storeu_pd(p, x); }
 };

@@ -146,6 +146,12 @@ struct Avx512Vec {
     lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
     hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high));
   }
+  static void add_squares_f64(D& lo, D& hi, F x) {  // an fp32 value squared needs float64
+    const __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d h = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)));
+    lo = _mm512_add_pd(lo, _mm512_mul_pd(l, l));
+    hi = _mm512_add_pd(hi, _mm512_mul_pd(h, h));
+  }
   static constexpr int DW = 8;
   static void store_d(double* p, D x) { _mm512_storeu_pd(p, x); }
 };

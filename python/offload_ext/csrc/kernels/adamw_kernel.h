@@ -68,6 +68,7 @@ struct ScalarVec {
   using D = double;
   static D dzero() { return 0.0; }
   static void add_squares(D& lo, D&, F x) { lo += static_cast<double>(x * x); }
+  static void add_squares_f64(D& lo, D&, F x) { lo += static_cast<double>(x) * static_cast<double>(x); }
   static constexpr int DW = 1;
   static void store_d(double* p, D x) { *p = x; }
 };
@@ -336,6 +337,17 @@ inline double accumulate_impl(uint16_t* acc, const uint16_t* g, int64_t n) {
   return dsum<V>(lo, hi) + tail;
 }
 
+// An fp32 span's float64 sum of squares: each square taken in float64, where it is exact.
+template <class V>
+inline double squares_f32_span(const float* x, int64_t n) {
+  auto lo = V::dzero(), hi = V::dzero();
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) V::add_squares_f64(lo, hi, V::load_f32(x + i));
+  double tail = 0.0, unused = 0.0;
+  for (; i < n; ++i) ScalarVec::add_squares_f64(tail, unused, x[i]);
+  return dsum<V>(lo, hi) + tail;
+}
+
 template <class V>
 inline double accumulate_span(uint16_t* acc, const uint16_t* g, int64_t n, bool norm) {
   if (g != nullptr) return norm ? accumulate_impl<V, true, true>(acc, g, n) : accumulate_impl<V, true, false>(acc, g, n);
@@ -357,4 +369,5 @@ inline double accumulate_span(uint16_t* acc, const uint16_t* g, int64_t n, bool 
   double accumulate_span_##isa(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm) {  \
     return accumulate_span<VEC>(accum, grad, n, norm);                                         \
   }                                                                                            \
+  double squares_f32_span_##isa(const float* x, int64_t n) { return squares_f32_span<VEC>(x, n); } \
   }

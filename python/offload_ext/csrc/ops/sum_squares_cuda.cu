@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) final_kernel(const double* __restric
 }
 
 at::Tensor sum_squares_cuda(const at::Tensor& x) {
-  check_sum_squares_arg("sum_squares", x);
+  check_sum_squares_arg("sum_squares", x, false);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   at::Tensor out = at::zeros({}, x.options().dtype(at::kDouble));
