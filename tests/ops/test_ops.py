@@ -233,6 +233,14 @@ def test_sum_squares_of_fp32_on_the_cpu_is_the_float64_sum_of_exact_squares(n: i
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_sum_squares_of_bf16_values_whose_squares_overflow_a_float_is_finite(device: str) -> None:
+    # 3e19 squared is 9e38, past fp32's largest (3.4e38): a square taken in fp32 would make the norm infinite, and
+    # clipping would refuse a step that the float64 rule clips
+    x = torch.full((40,), 3e19, dtype=torch.bfloat16, device=device)
+    assert ops.sum_squares(x).item() == math.fsum(v * v for v in x.double().cpu().tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sum_squares_gives_the_same_bits_every_run(device: str) -> None:
     x = _bf16_data(1 << 20).to(device)
     assert len({ops.sum_squares(x).item() for _ in range(5)}) == 1

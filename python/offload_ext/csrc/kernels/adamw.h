@@ -131,7 +131,7 @@ void adamw_fp32(float* param, const void* grad, GradType grad_type, float* exp_a
 
 // Gradient sums for accumulation and clipping, bf16 spans, fp32 math: accum = bf16(accum + grad)
 // (grad null: accum unchanged); returns the float64 sum of squares of the resulting accum when `norm`
-// (each square is exact in fp32: a bf16 mantissa squared fits), else 0. The sum's order is fixed by
+// (each square taken in float64: exact, and finite for any finite value), else 0. The sum's order is fixed by
 // the ISA and fixed chunks, not by the thread count.
 double bf16_accumulate(uint16_t* accum, const uint16_t* grad, int64_t n, bool norm, ThreadPool& pool,
                        SimdLevel level);

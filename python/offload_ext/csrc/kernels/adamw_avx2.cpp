@@ -103,12 +103,7 @@ struct Avx2Vec {
   }
   using D = __m256d;  // float64 sums of squares: the low and the high 4 lanes
   static D dzero() { return _mm256_setzero_pd(); }
-  static void add_squares(D& lo, D& hi, F x) {
-    const F sq = _mm256_mul_ps(x, x);  // exact: a bf16 value squared fits a float
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
-  }
-  static void add_squares_f64(D& lo, D& hi, F x) {  // an fp32 value squared needs float64
+  static void add_squares(D& lo, D& hi, F x) {  // squared in float64, as ScalarVec's
     const __m256d l = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), h = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
     lo = _mm256_add_pd(lo, _mm256_mul_pd(l, l));
     hi = _mm256_add_pd(hi, _mm256_mul_pd(h, h));

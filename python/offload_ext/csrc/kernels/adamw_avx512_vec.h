@@ -140,13 +140,7 @@ struct Avx512Vec {
   }
   using D = __m512d;  // float64 sums of squares: the low and the high 8 lanes
   static D dzero() { return _mm512_setzero_pd(); }
-  static void add_squares(D& lo, D& hi, F x) {
-    const F sq = _mm512_mul_ps(x, x);  // exact: a bf16 value squared fits a float
-    const __m256 high = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(sq), 1));
-    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
-    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high));
-  }
-  static void add_squares_f64(D& lo, D& hi, F x) {  // an fp32 value squared needs float64
+  static void add_squares(D& lo, D& hi, F x) {  // squared in float64, as ScalarVec's
     const __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     const __m512d h = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)));
     lo = _mm512_add_pd(lo, _mm512_mul_pd(l, l));

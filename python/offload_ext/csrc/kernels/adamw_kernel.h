@@ -64,11 +64,11 @@ struct ScalarVec {
   static constexpr bool kLinearEncode = false;
   static constexpr bool kByteDecode = false;
   static void store_i(uint32_t* p, I x) { *p = x; }
-  // Float64 sums of squares, in two accumulators of lanes (one lane each here).
+  // Float64 sums of squares, in two accumulators of lanes (one lane each here). Each square is taken in float64:
+  // exact for a bf16 or an fp32 value, and finite (a bf16 value over 2^64 squared overflows a float).
   using D = double;
   static D dzero() { return 0.0; }
-  static void add_squares(D& lo, D&, F x) { lo += static_cast<double>(x * x); }
-  static void add_squares_f64(D& lo, D&, F x) { lo += static_cast<double>(x) * static_cast<double>(x); }
+  static void add_squares(D& lo, D&, F x) { lo += static_cast<double>(x) * static_cast<double>(x); }
   static constexpr int DW = 1;
   static void store_d(double* p, D x) { *p = x; }
 };
@@ -337,14 +337,14 @@ inline double accumulate_impl(uint16_t* acc, const uint16_t* g, int64_t n) {
   return dsum<V>(lo, hi) + tail;
 }
 
-// An fp32 span's float64 sum of squares: each square taken in float64, where it is exact.
+// An fp32 span's float64 sum of squares.
 template <class V>
 inline double squares_f32_span(const float* x, int64_t n) {
   auto lo = V::dzero(), hi = V::dzero();
   int64_t i = 0;
-  for (; i + V::W <= n; i += V::W) V::add_squares_f64(lo, hi, V::load_f32(x + i));
+  for (; i + V::W <= n; i += V::W) V::add_squares(lo, hi, V::load_f32(x + i));
   double tail = 0.0, unused = 0.0;
-  for (; i < n; ++i) ScalarVec::add_squares_f64(tail, unused, x[i]);
+  for (; i < n; ++i) ScalarVec::add_squares(tail, unused, x[i]);
   return dsum<V>(lo, hi) + tail;
 }
 
