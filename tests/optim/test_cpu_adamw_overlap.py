@@ -300,8 +300,8 @@ def _offload_worker(rank: int, world: int, store: str, max_norm: float | None, o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: deterministic GEMMs, as below
-    torch.use_deterministic_algorithms(True)
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: deterministic GEMMs
+    torch.use_deterministic_algorithms(True, warn_only=True)  # FSDP2's own copies need no error to stop on
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -327,7 +327,7 @@ def _offload_worker(rank: int, world: int, store: str, max_norm: float | None, o
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_norm", [None, 1e-3], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("max_norm", [None, 1e-9], ids=["unclipped", "clipped"])  # 1e-9: every step clips
 def test_steps_in_backward_read_host_gradients_fsdp2_copied_from_the_gpu_whole(max_norm, tmp_path) -> None:
     # CPUOffloadPolicy copies each reduced gradient to the host; a step in backward that read one before its copy
     # landed would step on stale or partial bytes. With deterministic kernels the overlapped run and the one
