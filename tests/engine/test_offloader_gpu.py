@@ -141,6 +141,32 @@ def _assert_same_weights(expected: dict[str, torch.Tensor], weights: dict[str, t
         assert torch.equal(w, weights[name]), name
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_state_dict_copies_the_device_state_to_the_host_and_takes_no_device_memory(precision) -> None:
+    # The plan leaves no device room for a checkpoint (it goes to more resident layers): state_dict() must
+    # allocate nothing on the GPU, and its host copies must continue the same run once loaded back.
+    base, data = small_llama(), repeating_batches(4)
+    kw = dict(lr=1e-3, precision=precision, backend="native", device="cuda", resident_layers=1)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:2], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    saved = off.state_dict()
+    assert torch.cuda.max_memory_allocated() == before
+    moments = [t for entry in saved["outer"]["optimizer"]["state"].values() for t in entry.values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert moments and all(t.device.type == "cpu" for t in moments)
+    expected = offloaded_training(off, model, data[2:], device="cuda")
+    off.close()
+    resumed = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed, **kw)
+    off2.load_state_dict(saved)
+    assert offloaded_training(off2, resumed, data[2:], device="cuda") == expected
+    off2.close()
+
+
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_randomised_copy_timing_changes_nothing(backend) -> None:
     plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)

@@ -63,11 +63,13 @@ class DeviceOptimizer:
             m.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies, not views: the state must not change when training goes on."""
+        """Copies on the host, not views: the state must not change when training goes on, and a copy on the
+        device would need room there beside the moments (what would otherwise bound the resident layers under a
+        cap). load_state_dict moves them back, as torch's optimizers do."""
         return {
             "params": [p.detach().to("cpu", copy=True) for p in self.params],
             "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
-            "optimizer": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
+            "optimizer": _on_host(self.opt.state_dict()) if self.opt is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -78,3 +80,10 @@ class DeviceOptimizer:
                 m.copy_(saved)
         if self.opt is not None and state["optimizer"] is not None:
             self.opt.load_state_dict(state["optimizer"])
+
+
+def _on_host(state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer's state_dict with each state tensor copied to the CPU."""
+    per_param = {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                     for k, v in entries.items()} for i, entries in state["state"].items()}
+    return {"state": per_param, "param_groups": copy.deepcopy(state["param_groups"])}

@@ -269,7 +269,7 @@ def gpu_estimate(model: nn.Module, choices: EngineChoices, precision: str, devic
     accumulating = choices.rule.grad_accum > 1
     shape = Shape.of(model)
     tokens = batch * seq if batch and seq and shape is not None else 0
-    phases = [_embedding_phase(f, tokens * shape.hidden if tokens else 0, accumulating), *_step_phases(f, precision)]
+    phases = [_embedding_phase(f, tokens * shape.hidden if tokens else 0, accumulating), _step_phase(f, precision)]
     if tokens:
         phases += _backward_phases(f, shape, batch, seq, chunk_tokens, native_loss, accumulating)
     return GpuEstimate(tuple(static), tuple(phases), cuda)
@@ -295,16 +295,13 @@ def _embedding_phase(f: DeviceFacts, token_units: int, accumulating: bool) -> tu
                                    ("its fp32 partial sums", 4 * token_units if f.embedding_grad else 0)))
 
 
-def _step_phases(f: DeviceFacts, precision: str) -> list[tuple[str, Rows]]:
+def _step_phase(f: DeviceFacts, precision: str) -> tuple[str, Rows]:
     """After backward: the device optimizer's step over every device gradient ("mixed" steps fp32 copies of
-    them), and state_dict(), which copies the device optimizer's state on the device (its moments; the
-    masters go to the host)."""
+    them). state_dict() copies the device optimizer's state to the host, so a checkpoint needs nothing here."""
     trainable = f.outer_trainable + f.resident_trainable
-    moments = 8 if precision == "mixed" else 4
     fp32 = 4 * trainable if precision == "mixed" else 0
-    return [("optimizer step", (("gradients of the parameters on the device", 2 * trainable),
-                                ("their fp32 copies (mixed)", fp32))),
-            ("state_dict", (("a copy of the device optimizer's moments", moments * trainable),))]
+    return ("optimizer step", (("gradients of the parameters on the device", 2 * trainable),
+                               ("their fp32 copies (mixed)", fp32)))
 
 
 def _backward_phases(f: DeviceFacts, shape: Shape, batch: int, seq: int, chunk_tokens: int, native_loss: bool,

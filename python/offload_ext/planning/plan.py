@@ -125,10 +125,11 @@ def _reasons(ev: Evaluation, machine: Machine) -> list[str]:
 
 
 def _checkpoint_bytes(ev: Evaluation, precision: str) -> int:
-    """Host bytes state_dict()/save_state() copy out of the device: its parameters (bf16) and masters ("mixed")."""
+    """Host bytes state_dict()/save_state() copy out of the device: its parameters (bf16), and for the trainable
+    ones the optimizer's moments (bf16; fp32 in "mixed") and masters ("mixed")."""
     params = ev.choices.layout.device_params
-    masters = 4 * sum(p.numel() for p in params if p.requires_grad) if precision == "mixed" else 0
-    return 2 * sum(p.numel() for p in params) + masters
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return 2 * sum(p.numel() for p in params) + (12 if precision == "mixed" else 4) * trainable
 
 
 def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf = lambda p: 0) -> MemoryPlan:

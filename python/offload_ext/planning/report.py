@@ -19,7 +19,7 @@ class MemoryPlan:
     Host: `host_pinned` and `host_pageable` are the engine's buffers as it reserves them (`host_by_what`
     splits them), `host_available` what the Offloader's check allows them (MemAvailable less an eighth of
     MemTotal), `host_peak_rss` the process's expected peak (the buffers, the interpreter and libraries, the
-    CUDA runtime, a checkpoint's copy of the device parameters, activation_offload's slots:
+    CUDA runtime, a checkpoint's copy of the device's parameters and optimizer state, activation_offload's slots:
     `host_activations`, pinned as they are first used; not in the buffers' check). GPU: `gpu_terms` itemises
     `gpu_needed`: `gpu_peak` (what torch.cuda.max_memory_allocated would read; `gpu_phases` has each phase of a step)
     and the margin, against
@@ -129,7 +129,7 @@ class MemoryPlan:
                          f"{self.speculating[1]} units")
         cuda = " and the CUDA runtime" if self.device.startswith("cuda") else ""
         lines += [_row(f"  process: interpreter, libraries{cuda}", "", _gb(self.host_process)),
-                  _row("  checkpoint: the device's parameters copied out", "", _gb(self.host_checkpoint)),
+                  _row("  checkpoint: the device's parameters and state copied out", "", _gb(self.host_checkpoint)),
                   *([_row("  the simulated device's peak (below)", "", _gb(self.host_simulated))]
                     if self.host_simulated else []),
                   *([_row("  activation offload: checkpointed layers' inputs", "", _gb(self.host_activations))]
@@ -147,7 +147,7 @@ class MemoryPlan:
         title = "GPU (GB)" if self.device != "cpu" else "simulated device (GB; host memory, not checked)"
         lines = [_row(title, "", "")] + [_row("  " + what, "", _gb(n)) for what, n in gpu.static if n]
         lines.append(_row("  allocated throughout", "", _gb(gpu.static_bytes)))
-        shown = _training_peak(gpu)
+        shown = gpu.peak_phase
         for what, n in self.gpu_phases.get(shown, ()):
             if n:
                 lines.append(_row(f"  + {shown}: {what}", "", _gb(n)))
@@ -179,12 +179,6 @@ _HOST_ORDER = ("params", "params and gradients", "gradient staging", "kept gradi
 def _host_order(item: tuple[tuple[str, bool], int]) -> tuple[bool, int]:
     (what, pinned), _ = item
     return not pinned, _HOST_ORDER.index(what) if what in _HOST_ORDER else len(_HOST_ORDER)
-
-
-def _training_peak(gpu: GpuEstimate) -> str | None:
-    """The phase of a training step with the most allocated (a checkpoint's phase aside)."""
-    training = [name for name, _ in gpu.phases if name != "state_dict"]
-    return max(training, key=gpu.phase_bytes) if training else None
 
 
 def _row(label: str, left: str, right: str) -> str:
