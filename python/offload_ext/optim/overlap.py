@@ -5,9 +5,11 @@ The fused kernel releases the GIL and runs on the library's thread pool, so the 
 parameters overlaps the autograd engine computing the layers below. Under FSDP2 the hook of a sharded
 parameter fires once its reduce-scatter has produced the local shard's gradient; with CPUOffloadPolicy
 torch (2.14) copies that gradient to the host synchronously when a parameter has such a hook. Releases
-that copy it asynchronously would hand the hook a gradient still in flight, so a job whose host gradient
-may come from a GPU (CUDA is in use) first waits for the work the device was given before it: the copy
-among it. That wait is the worker's, not the launching thread's. A parameter whose hook did not fire this
+that copy it asynchronously hand the hook a gradient still in flight, on the stream that is current when
+the hook runs (FSDP2 calls it under its post-reduce stream, after issuing the copy there), so where a host
+gradient may come from a GPU (CUDA is in use) the hook records an event on that stream and the job waits
+for it: for the copy, not for the backward kernels queued since (as a device-wide synchronize would). That
+wait is the worker's, not the launching thread's. A parameter whose hook did not fire this
 backward (no gradient, or a backward run under `no_overlap()`) is stepped by `step()` as without overlap.
 A worker's failure is re-raised by the next `wait()` (step, zero_grad, state_dict), never dropped.
 """
@@ -44,11 +46,11 @@ class InBackwardSteps:
                                "stepped on the first already; run every backward but a step's last inside "
                                "`with opt.no_overlap():` (or with FSDP2, set_requires_gradient_sync(False))")
         self._stepped.add(id(p))
-        self._jobs.append(self._worker.submit(self._job, p))
+        self._jobs.append(self._worker.submit(self._job, p, _queued_so_far(p)))
 
-    def _job(self, p: torch.Tensor) -> None:
-        if p.grad.device.type == "cpu" and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # a gradient copied from the device has landed (see the header)
+    def _job(self, p: torch.Tensor, landed: torch.cuda.Event | None) -> None:
+        if landed is not None:
+            landed.synchronize()  # a gradient copied from the device has landed (see the header)
         self._step_param(p)
 
     @contextlib.contextmanager
@@ -74,3 +76,13 @@ class InBackwardSteps:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _queued_so_far(p: torch.Tensor) -> torch.cuda.Event | None:
+    """For a host gradient while CUDA is in use: an event after the work queued on the current stream (the one
+    a copy of the gradient from the device was issued on); None where nothing can be in flight."""
+    if p.grad.device.type != "cpu" or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
