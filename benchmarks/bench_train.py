@@ -664,12 +664,15 @@ class _ModeRun:
     def finish(self) -> dict[str, Any]:
         mode, a, off, opt = self.mode, self.a, self.off, self.opt
         peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" and self.own_peak else None
+        # what the cap bounds: the allocator's reserve, fragmentation included (the plan's margin is for it)
+        reserved = torch.cuda.max_memory_reserved() / 1e9 if a.device == "cuda" and self.own_peak else None
         if a.trace and not isinstance(opt, _deepspeed.ZeroRun):  # one more step, traced, after the timed ones
             _traced_step(mode, self.model, off, opt, self._micro(0), a)
         median = statistics.median(self.steps)
         row = {"mode": mode.name, "step_s": median, "forward_s": statistics.median(self.forwards),
                "step_wait_s": statistics.median(self.waits), "host_busy_s": statistics.median(self.busy),
-               "setup_s": self.setup, "build_s": self.build, "gpu_peak_gb": peak, "losses": self.losses,
+               "setup_s": self.setup, "build_s": self.build, "gpu_peak_gb": peak, "gpu_reserved_peak_gb": reserved,
+               "losses": self.losses,
                "step_times_s": self.steps, "tokens_per_s": self.tokens[0].numel() / median,
                "model_tflops": self.flops_per_token * self.tokens[0].numel() / median / 1e12,
                "clipped_fraction": sum(self.clipped) / len(self.clipped) if mode.clip else None,
