@@ -137,14 +137,17 @@ def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: 
     return losses
 
 
-def torchrun(ranks: int, *args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args: str, env: dict[str, str] | None = None, cwd=None,
+             check: bool = True) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run` with `ranks` local processes on `args`, one thread each. --standalone: its
     store binds a port it picks itself, where a port found free beforehand may be taken before the store binds it.
-    A failure asserts with the ranks' last output: a rank's error is in it, not in the exit status alone."""
+    With `check`, a failure asserts with the ranks' last output: a rank's error is in it, not in the exit status
+    alone."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd,
                           capture_output=True, text=True)
-    assert done.returncode == 0, f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert not check or done.returncode == 0, \
+        f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
 
 

@@ -1,16 +1,21 @@
 """offload-train --fsdp under torchrun, two gloo ranks on the CPU: the embedded default trains, rank 0 alone logs,
-the checkpoint holds the gathered weights as transformers reads them, and a run stopped half way and resumed
-from its distributed checkpoint ends exactly where the run without a stop does."""
+the checkpoint holds the gathered weights as transformers reads them, a run stopped half way and resumed from its
+distributed checkpoint ends exactly where the run without a stop does, and a kill during a save leaves the last
+complete checkpoint to resume from."""
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import torchrun
+from offload_ext.train.prior_run import complete_checkpoints
 
 
-def _train(out, *flags: str) -> None:
-    torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", "--max-grad-norm", "1.0",
-             "--out", str(out), *flags, env={"OFFLOAD_TRAIN_NO_BAR": "1"})
+def _train(out, *flags: str, env: dict[str, str] | None = None, check: bool = True):
+    return torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4",
+                    "--max-grad-norm", "1.0", "--out", str(out), *flags,
+                    env={"OFFLOAD_TRAIN_NO_BAR": "1", **(env or {})}, check=check)
 
 
 def _rows(out) -> list[dict]:
@@ -18,19 +23,38 @@ def _rows(out) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_fsdp_training_stopped_and_resumed_ends_where_the_run_without_a_stop_does(tmp_path) -> None:
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
-    _train(whole)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run without a stop."""
+    out = tmp_path_factory.mktemp("fsdp") / "whole"
+    _train(out)
+    return out
+
+
+def test_fsdp_training_stopped_and_resumed_ends_where_the_run_without_a_stop_does(whole, tmp_path) -> None:
+    halves = tmp_path / "halves"
     _train(halves, "--stop-after", "2")
     _train(halves, "--resume")
     ours, theirs = _rows(halves), _rows(whole)
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4]  # one row a step: rank 0's
     assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
     assert all(r["clip"] in ("unclipped", "clipped") for r in ours)  # CPUAdamW steps after backward
+    assert [s for s, _ in complete_checkpoints(halves)] == [2, 4]  # sealed step directories, one a save
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(whole / "checkpoint")  # the gathered weights, whole
-    resumed = AutoModelForCausalLM.from_pretrained(halves / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(whole / "latest")  # the gathered weights, whole
+    resumed = AutoModelForCausalLM.from_pretrained(halves / "latest")
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert a.equal(b), name
+
+
+def test_fsdp_training_killed_while_saving_resumes_from_the_last_complete_checkpoint(whole, tmp_path) -> None:
+    # rank 0 dies once step 4's files are written, before the checkpoint is sealed: step 2's stays the last whole
+    # one, --resume takes it (never the torn step 4), and the run ends where the run without a kill does
+    killed = tmp_path / "killed"
+    done = _train(killed, "--save-every", "2", env={"OFFLOAD_TRAIN_KILL_AT": "trainer_state:4"}, check=False)
+    assert done.returncode != 0
+    assert [s for s, _ in complete_checkpoints(killed)] == [2]
+    _train(killed, "--resume")
+    assert [(r["step"], r["loss"]) for r in _rows(killed)] == [(r["step"], r["loss"]) for r in _rows(whole)]

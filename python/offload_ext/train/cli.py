@@ -93,13 +93,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
     start = trainer.load(stream, resume_from) if resume_from is not None else 0
-    metrics_path = os.path.join(args.out, prior_run.METRICS)
-    if resume_from is not None:
-        prior_run.trim_metrics(args.out, start)  # the steps after the checkpoint are trained (and logged) again
-    else:
-        prior_run.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
+    metrics_path = _settle_out(args, resume_from is not None, start)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     return train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per_step, on_gpu, began, memory)
+
+
+def _settle_out(args: argparse.Namespace, resumed: bool, start: int) -> str:
+    """--out made ready for the run's metrics and checkpoints: a resumed run's metrics after its checkpoint trimmed
+    (those steps are trained and logged again), --overwrite's previous run removed; the metrics' path."""
+    if resumed:
+        prior_run.trim_metrics(args.out, start)
+    else:
+        prior_run.remove_run(args.out)  # --overwrite's (_check_out refused an --out holding a run without it)
+    return os.path.join(args.out, prior_run.METRICS)
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -158,16 +164,18 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     on_gpu = device.type == "cuda"
     apply_defaults(args, on_gpu)
     check_loss_args(args, device)
+    resume_from = _resume_point(args)
     marks, stream, tokenizer, vocab = _seed_and_data(args, began, entered)
     model, weights = build_model(args, vocab, device)  # on the meta device, with the weights to fill it from
     marks.append(("model", time.perf_counter()))
     trainer = FsdpTrainer(train_config(args, device), model, weights, device)
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
-    start = trainer.load(stream) if args.resume else 0
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if dist_rank() == 0 and not args.resume and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    start = trainer.load(stream, resume_from) if resume_from is not None else 0
+    metrics_path = os.path.join(args.out, prior_run.METRICS)
+    if dist_rank() == 0:
+        _settle_out(args, resume_from is not None, start)
+    torch.distributed.barrier()  # no rank writes into --out before it is settled
     world = torch.distributed.get_world_size()
     summary = train_loop(args, trainer, stream, tokenizer, start, metrics_path,
                     args.batch_size * args.seq_len * args.grad_accum * world, on_gpu, began)
@@ -283,11 +291,8 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
 def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
     """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
     complete = prior_run.complete_checkpoints(args.out)
-    legacy = os.path.join(args.out, prior_run.LEGACY)
     if complete:
         last = "last complete checkpoint: step {} ({})".format(*complete[-1])
-    elif args.fsdp and os.path.isdir(legacy):  # --fsdp writes its checkpoint in place
-        last = f"last checkpoint: {legacy}"
     else:
         return (f"offload-train: interrupted before the first complete checkpoint; nothing to resume in {args.out}: "
                 "start again with --overwrite")

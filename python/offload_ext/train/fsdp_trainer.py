@@ -1,7 +1,9 @@
 """offload-train --fsdp under torchrun: FSDP2 (fully_shard per decoder layer and the root; CPUOffloadPolicy on
 GPUs) with CPUAdamW stepping each rank's shards after backward, the model built on the meta device
 and each rank's shards filled from the run's weights (offload_ext.models.fsdp_shards), each rank its own batches, and
-checkpoints: the gathered weights as HF safetensors on rank 0, and a distributed checkpoint to resume from."""
+checkpoints committed as the single-GPU trainer's are (offload_ext.train.run_dir: a step directory sealed by its
+manifest): the gathered weights as HF safetensors, written by rank 0, beside a distributed checkpoint to resume
+from, written by every rank."""
 from __future__ import annotations
 
 import argparse
@@ -21,9 +23,11 @@ from offload_ext.models.weight_source import WeightSource
 from offload_ext.optim.cpu_adamw import CPUAdamW
 from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import data as data_mod
+from offload_ext.train import run_dir
+from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import UsageError
-from offload_ext.train.trainer import mark_phase
+from offload_ext.train.trainer import mark_phase, trainer_state
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -145,47 +149,50 @@ class FsdpTrainer:
         return float(mean[0]) / dist.get_world_size()
 
     def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
-        """The checkpoint in --out/checkpoint/, written in place (without run_dir's step directories and
-        manifest: a kill mid-save can tear it); its path."""
+        """Checkpoint `step` as one unit (run_dir): rank 0 makes the fresh step directory, every rank writes its
+        shards into it, rank 0 the gathered weights, the tokenizer and the trainer state, then seals it once every
+        rank is done; the path of the complete checkpoint."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-        ckpt = os.path.join(self.config.out, "checkpoint")
-        os.makedirs(ckpt, exist_ok=True)
+        out, lead = self.config.out, dist.get_rank() == 0
+        partial = run_dir.begin(out, step) if lead else run_dir.partial_path(out, step)
+        dist.barrier()  # the directory is fresh before any rank writes into it
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt, "distributed"))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(partial, "distributed"))
+        run_dir.boundary("engine", step)
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:  # the gathered weights, as transformers' from_pretrained reads them
-            self.model.save_pretrained(ckpt, state_dict=full, safe_serialization=True)
+        if lead:  # the gathered weights, as transformers' from_pretrained reads them
+            self.model.save_pretrained(partial, state_dict=full, safe_serialization=True)
+            run_dir.boundary("weights", step)
             if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(ckpt)
+                tokenizer.save_pretrained(partial)
             else:
-                tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
+                tokenizer.save(os.path.join(partial, "tokenizer.json"))
+            run_dir.boundary("tokenizer", step)
             state = {"step": step, "data": stream.state(), "schedule": self.schedule.state_dict(),
                      "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
-                     "args": dict(self.config.flags),
-                     "world_size": dist.get_world_size()}
-            tmp = os.path.join(ckpt, "trainer_state.pt.tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(ckpt, "trainer_state.pt"))
+                     "args": dict(self.config.flags), "world_size": dist.get_world_size()}
+            torch.save(state, os.path.join(partial, "trainer_state.pt"))
+            run_dir.boundary("trainer_state", step)
+        dist.barrier()  # every rank's shards are written before the directory is sealed
+        if lead:
+            run_dir.commit(out, partial, step, dict(self.config.flags), self.config.keep_checkpoints)
         dist.barrier()
-        return ckpt
+        return run_dir.final_path(out, step)
 
-    def load(self, stream: data_mod.TokenStream) -> int:
+    def load(self, stream: data_mod.TokenStream, ckpt: Checkpoint) -> int:
+        """Continue from `ckpt` (verified by prior_run.find, its flags checked): the step it ends."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        ckpt = os.path.join(self.config.out, "checkpoint")
-        path = os.path.join(ckpt, "trainer_state.pt")
-        if not os.path.exists(path):
-            raise UsageError(f"--resume: no checkpoint at {path}; run without --resume first")
-        state = torch.load(path, weights_only=False)
+        state = trainer_state(ckpt)
         if state.get("world_size") != dist.get_world_size():
             raise UsageError(f"--resume: the checkpoint was made by {state.get('world_size')} ranks, this run has "
                              f"{dist.get_world_size()}: resume with --nproc-per-node {state.get('world_size')}")
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         loaded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(loaded, checkpoint_id=os.path.join(ckpt, "distributed"))
+        dcp.load(loaded, checkpoint_id=os.path.join(ckpt.path, "distributed"))
         set_state_dict(self.model, self.opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         self.schedule.load_state_dict(state["schedule"])
         stream.restore(state["data"])

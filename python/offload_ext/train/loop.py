@@ -117,8 +117,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     if end > start and not (args.save_every and end % args.save_every == 0):  # not saved by the loop already
         saved = trainer.save(end, stream, tokenizer)
     elif saved is None:  # a resume with no step left: its checkpoint stays the run's last
-        complete = prior_run.complete_checkpoints(args.out)
-        saved = complete[-1][1] if complete else os.path.join(args.out, prior_run.LEGACY)  # --fsdp's, in place
+        saved = prior_run.complete_checkpoints(args.out)[-1][1]
     watch.draw()
     watch.close()
     steady = rates[min(3, len(rates) - 1):] if rates else [0.0]

@@ -59,7 +59,7 @@ def find(out: str, resume: str) -> Checkpoint:
         return _verified(resume, out)
     complete = complete_checkpoints(out)
     if not complete:
-        hint = (f" ({os.path.join(out, LEGACY)} has no manifest: an older offload-train's, or --fsdp's)"
+        hint = (f" ({os.path.join(out, LEGACY)} has no manifest: an older offload-train's)"
                 if os.path.isdir(os.path.join(out, LEGACY)) else "")
         raise CheckpointError(f"--resume: {out} holds no complete checkpoint{hint}: start it again with --overwrite")
     return _verified(complete[-1][1], out)

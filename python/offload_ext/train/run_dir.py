@@ -45,9 +45,19 @@ def boundary(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def partial_path(out: str, step: int) -> str:
+    """Where checkpoint `step` is written before it is sealed."""
+    return os.path.join(checkpoints_dir(out), step_name(step) + ".partial")
+
+
+def final_path(out: str, step: int) -> str:
+    """Where complete checkpoint `step` lies once sealed."""
+    return os.path.join(checkpoints_dir(out), step_name(step))
+
+
 def begin(out: str, step: int) -> str:
     """A fresh `step-N.partial/` to write checkpoint `step` into (a torn one from a crash is removed first)."""
-    partial = os.path.join(checkpoints_dir(out), step_name(step) + ".partial")
+    partial = partial_path(out, step)
     if os.path.exists(partial):
         shutil.rmtree(partial)
     os.makedirs(partial)
@@ -62,7 +72,7 @@ def commit(out: str, partial: str, step: int, args: dict[str, Any], keep: int) -
     write_manifest(partial, {"format": 1, "step": step, "written": _now(), "files": files,
                              "args": {k: args.get(k) for k in RESUME_FLAGS}})
     boundary("manifest", step)
-    final = os.path.join(checkpoints_dir(out), step_name(step))
+    final = final_path(out, step)
     if os.path.exists(final):  # of a run resumed from an older checkpoint (--resume PATH): superseded
         _set_aside(final)
     os.rename(partial, final)

@@ -182,11 +182,7 @@ class Trainer:
 
     def load(self, stream: data_mod.TokenStream, ckpt: checkpoint_manifest.Checkpoint) -> int:
         """Continue from `ckpt` (verified by prior_run.find, its flags checked): the step it ends."""
-        path = os.path.join(ckpt.path, "trainer_state.pt")
-        state = torch.load(path, weights_only=False)
-        if state["step"] != ckpt.step:  # every part of a checkpoint names one step
-            raise UsageError(f"--resume: torn checkpoint: {path} is of step {state['step']}, its manifest of step "
-                             f"{ckpt.step}")
+        state = trainer_state(ckpt)
         if self.off is not None and state["engine"] is not None:  # made before save_state existed
             self.off.load_state_dict(state["engine"])
         elif self.off is not None:
@@ -214,3 +210,14 @@ def _packing(batch: torch.Tensor | ChatBatch) -> dict[str, torch.Tensor]:
     if isinstance(batch, ChatBatch):
         return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask}
     return {}
+
+
+def trainer_state(ckpt: checkpoint_manifest.Checkpoint) -> dict[str, Any]:
+    """`ckpt`'s trainer_state.pt, refused unless it names the manifest's step (every part of a checkpoint names
+    one step)."""
+    path = os.path.join(ckpt.path, "trainer_state.pt")
+    state = torch.load(path, weights_only=False)
+    if state["step"] != ckpt.step:
+        raise UsageError(f"--resume: torn checkpoint: {path} is of step {state['step']}, its manifest of step "
+                         f"{ckpt.step}")
+    return state
