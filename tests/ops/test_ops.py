@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import offload_ext
 from offload_ext import ops
 from offload_ext.optim import eight_bit
 
@@ -103,7 +104,7 @@ def test_adamw_step_on_cuda_gives_the_cpu_kernels_bits(mode: str, grad_scale: fl
     # The device redo of a clipped step (offload_ext.engine.device_redo) stands in for the host's: it must be the
     # same arithmetic, not merely close.
     if mode == "mixed-fp32grad" and grad_scale != 1.0:
-        pytest.skip("grad_scale is for bf16 grads")
+        pytest.skip("grad_scale on CUDA is for bf16 grads")
     cpu, cuda = _adamw_span(mode, n, "cpu", seed=n), _adamw_span(mode, n, "cuda", seed=n)
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay, step=step,
                  grad_scale=grad_scale)
@@ -115,10 +116,16 @@ def test_adamw_step_on_cuda_gives_the_cpu_kernels_bits(mode: str, grad_scale: fl
             assert _same_bits(cpu[name], cuda[name].cpu()), name
 
 
-@pytest.mark.parametrize("mode", ["bf16", "mixed"])
-def test_a_scaled_gradient_steps_as_its_product_rounded_to_bf16(mode: str) -> None:
-    # torch.nn.utils.clip_grad_norm_ multiplies a bf16 .grad by the coefficient in place: bf16(grad * coef).
-    a, b = _adamw_span(mode, 5000, "cpu"), _adamw_span(mode, 5000, "cpu")
+@pytest.mark.usefixtures("restore_kernel_settings")
+@pytest.mark.parametrize("level", ops.SIMD_LEVELS)
+@pytest.mark.parametrize("mode", ["bf16", "mixed", "mixed-fp32grad"])
+def test_a_scaled_gradient_steps_as_its_product_rounded_to_its_dtype(mode: str, level: str) -> None:
+    # torch.nn.utils.clip_grad_norm_ multiplies a .grad by the coefficient in place: bf16(grad * coef) for a bf16
+    # gradient, the fp32 product for an fp32 one; 5001 elements: whole vectors and a tail at every width.
+    if level not in ops.supported_simd_levels():
+        pytest.skip(f"this CPU lacks {level}")
+    offload_ext.set_simd_level(level)
+    a, b = _adamw_span(mode, 5001, "cpu"), _adamw_span(mode, 5001, "cpu")
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=4)
     ops.adamw_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], param_out=a["param_out"], grad_scale=0.3718,
                    **hyper)
@@ -129,15 +136,20 @@ def test_a_scaled_gradient_steps_as_its_product_rounded_to_bf16(mode: str) -> No
             assert _same_bits(a[name], b[name]), name
 
 
-def test_adamw_step_refuses_a_scale_it_cannot_apply_exactly() -> None:
-    t = _adamw_span("mixed-fp32grad", 20, "cpu")
+def test_adamw_step_refuses_a_scale_it_cannot_apply() -> None:
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(RuntimeError, match="grad_scale applies to a bf16 grad"):
-        ops.adamw_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], grad_scale=0.5, **hyper)
     b = _adamw_span("bf16", 20, "cpu")
     for bad in (float("inf"), -0.5):
         with pytest.raises(RuntimeError, match="expected a finite grad_scale >= 0"):
             ops.adamw_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], grad_scale=bad, **hyper)
+
+
+@pytest.mark.gpu
+def test_adamw_step_on_cuda_refuses_a_scale_for_an_fp32_gradient() -> None:
+    t = _adamw_span("mixed-fp32grad", 20, "cuda")
+    with pytest.raises(RuntimeError, match="on this device grad_scale applies to a bf16 grad"):
+        ops.adamw_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], lr=1e-3, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.0, step=1, grad_scale=0.5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -289,10 +289,21 @@ def test_a_clipped_step_reads_each_bf16_gradient_in_the_kernels_alone() -> None:
 
 
 def test_the_norm_of_fp32_gradients_makes_no_float64_copy() -> None:
-    # fp32 gradients take the extension's one-pass sum too; their scale is torch's in-place multiply (the kernel
-    # takes a scale for bf16 gradients only)
-    made = _clipped_second_step(torch.float32)
+    made = _clipped_second_step(torch.float32)  # fp32 gradients take the extension's one-pass sum too
     assert made.float64 and max(made.float64) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_clipped_step_leaves_each_gradient_as_backward_made_it(dtype) -> None:
+    # the kernel reads the gradient scaled (no pass of its own over it); the rule's arithmetic is the tests above'
+    model = _model(dtype)
+    opt = offload_ext.CPUAdamW(_groups(model), max_grad_norm=1e-2)
+    model(torch.randn(8, 33).to(dtype)).float().pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    assert opt.last_clip_action == "clipped"
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
 
 
 def _offload_worker(rank: int, world: int, store: str, max_norm: float | None, out: str) -> None:

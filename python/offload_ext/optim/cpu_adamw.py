@@ -73,8 +73,8 @@ class CPUAdamW(torch.optim.Optimizer):
     across ranks for DTensor shards; offload_ext.optim.global_clip). With overlap, the steps in backward keep a
     copy of the state before them; `step()` takes the norm and commits them, or redoes each from its copy with
     the scaled gradient (`last_clip_action`: "committed" / "redone"; without overlap "unclipped" / "clipped";
-    `last_grad_norm`). The step reads a bf16 gradient scaled inside the kernel and leaves `.grad` as backward
-    made it; fp32 gradients and 8-bit states' are scaled in place, as clip_grad_norm_ does. The copies cost one
+    `last_grad_norm`). The step reads the gradient scaled inside the kernel and leaves `.grad` as backward
+    made it; with 8-bit states it is scaled in place, as clip_grad_norm_ does. The copies cost one
     more parameter and both moments (and the fp32 master) per parameter, on the host. A non-finite norm raises
     FloatingPointError, as clip_grad_norm_(error_if_nonfinite=True) does, with no step applied (the steps in
     backward undone).
@@ -247,9 +247,9 @@ class CPUAdamW(torch.optim.Optimizer):
         state = self._init_state(p, group)
         state["step"] += 1
         sr_seed = self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None
-        # The fused kernel reads a bf16 gradient scaled as torch's clipping scales it, bit for bit: no pass of
-        # its own over the gradient; the 8-bit kernel and fp32 gradients take the scale in place first.
-        in_kernel = p.grad.dtype == torch.bfloat16 and "exp_avg_absmax" not in state
+        # The fused kernel reads the gradient scaled as torch's clipping scales it, bit for bit: no pass of its
+        # own over the gradient; the 8-bit kernel's gradient takes the scale in place first.
+        in_kernel = "exp_avg_absmax" not in state
         if scale != 1.0 and not in_kernel:
             local(p.grad).mul_(scale)
         if "exp_avg_absmax" in state:

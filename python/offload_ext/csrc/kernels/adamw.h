@@ -104,7 +104,7 @@ struct Fp32Pass {
   const float* exp_avg_sq_in;
   float* exp_avg_sq;
   uint16_t* param_out;         // optional: the stepped param rounded to bf16
-  float grad_scale = 1.0f;     // != 1: bf16 grads only, the step uses bf16(grad * grad_scale)
+  float grad_scale = 1.0f;     // != 1: the step uses bf16(grad * grad_scale) (a bf16 grad) or the fp32 product
   Parts parts = Parts::kAll;   // kParams stores param and param_out
 };
 

@@ -86,6 +86,14 @@ inline typename V::F load_grad_bf16(const uint16_t* g, const uint16_t* add, floa
   return V::load_bf16(g + i);
 }
 
+// An fp32 gradient as the step reads it: as stored, or fp32(grad * scale) (clipping), as torch's in-place
+// multiply of an fp32 .grad rounds it.
+template <class V, int kGrad>
+inline typename V::F load_grad_f32(const float* g, float scale, int64_t i) {
+  if (kGrad == kGradScale) return V::mul(V::load_f32(g + i), V::set1(scale));
+  return V::load_f32(g + i);
+}
+
 // Stores to a buffer other than the one read (a pass out of place) bypass the cache when kStream: the
 // line is not read for ownership first, and the next pass over it comes a whole step later.
 template <class V, bool kStream>
@@ -175,7 +183,8 @@ inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoe
     auto P = stores_param(kParts) ? V::load_f32(a.param_in + i) : V::set1(0.0f);
     auto M = V::load_f32(a.exp_avg_in + i);
     auto S = V::load_f32(a.exp_avg_sq_in + i);
-    auto G = kGradBF16 ? load_grad_bf16<V, kGrad>(g16, a.grad_add, a.grad_scale, i) : V::load_f32(g32 + i);
+    auto G = kGradBF16 ? load_grad_bf16<V, kGrad>(g16, a.grad_add, a.grad_scale, i)
+                       : load_grad_f32<V, kGrad>(g32, a.grad_scale, i);
     adamw_update<V>(P, G, M, S, c);
     if (stores_param(kParts)) {
       put_f32<V, kStream>(a.param + i, P);
@@ -293,7 +302,8 @@ inline void fp32_span_parts(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
 template <class V>
 inline void fp32_span(const Fp32Pass& a, int64_t n, const AdamWCoef& c) {
   if (a.grad_type == GradType::kFP32) {
-    fp32_span_out<V, false, kGradPlain, kAllParts>(a, n, c);
+    a.grad_scale != 1.0f ? fp32_span_out<V, false, kGradScale, kAllParts>(a, n, c)
+                         : fp32_span_out<V, false, kGradPlain, kAllParts>(a, n, c);
   } else if (a.grad_add != nullptr) {
     fp32_span_out<V, true, kGradAdd, kAllParts>(a, n, c);
   } else if (a.grad_scale != 1.0f) {

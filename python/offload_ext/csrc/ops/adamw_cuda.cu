@@ -66,6 +66,9 @@ void adamw_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
               "span on the CPU, or on the device without sr_seed");
   const StepUnit u = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out, param.device());
   const AdamWCoef c = make_coef(checked_hyper(u, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+  TORCH_CHECK(grad_scale == 1.0 || u.bf16_mode || u.grad_type == GradType::kBF16,
+              "adamw_step: on this device grad_scale applies to a bf16 grad (read as bf16(grad * grad_scale)); "
+              "scale an fp32 grad before the call and pass grad_scale=1");
   const int64_t n = u.numel;
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());

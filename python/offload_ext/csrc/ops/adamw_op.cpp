@@ -91,9 +91,6 @@ AdamWHyper checked_hyper(const StepUnit& unit, double lr, double beta1, double b
   TORCH_CHECK(weight_decay >= 0, "adamw_step: expected weight_decay >= 0, got ", num(weight_decay));
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale >= 0,
               "adamw_step: expected a finite grad_scale >= 0 (a clipping coefficient), got ", num(grad_scale));
-  TORCH_CHECK(grad_scale == 1.0 || unit.bf16_mode || unit.grad_type == GradType::kBF16,
-              "adamw_step: grad_scale applies to a bf16 grad (read as bf16(grad * grad_scale)); scale an fp32 "
-              "grad before the call and pass grad_scale=1");
   return {lr, beta1, beta2, eps, weight_decay, step};
 }
 
