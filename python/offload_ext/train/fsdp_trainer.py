@@ -27,7 +27,7 @@ from offload_ext.train import run_dir
 from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import UsageError
-from offload_ext.train.trainer import mark_phase, trainer_state
+from offload_ext.train.trainer import mark_phase, save_tokenizer, trainer_state
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -165,10 +165,7 @@ class FsdpTrainer:
         if lead:  # the gathered weights, as transformers' from_pretrained reads them
             self.model.save_pretrained(partial, state_dict=full, safe_serialization=True)
             run_dir.boundary("weights", step)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(partial)
-            else:
-                tokenizer.save(os.path.join(partial, "tokenizer.json"))
+            save_tokenizer(tokenizer, partial)
             run_dir.boundary("tokenizer", step)
             state = {"step": step, "data": stream.state(), "schedule": self.schedule.state_dict(),
                      "rng": {"python": random.getstate(), "numpy": np.random.get_state()},

@@ -160,10 +160,7 @@ class Trainer:
         if self.off is not None:
             self.off.save_state(ckpt)  # likewise: no copy of the engine's buffers in memory
         run_dir.boundary("engine", step)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(ckpt)
-        else:
-            tokenizer.save(os.path.join(ckpt, "tokenizer.json"))
+        save_tokenizer(tokenizer, ckpt)
         run_dir.boundary("tokenizer", step)
         state = {
             "step": step,
@@ -210,6 +207,14 @@ def _packing(batch: torch.Tensor | ChatBatch) -> dict[str, torch.Tensor]:
     if isinstance(batch, ChatBatch):
         return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask}
     return {}
+
+
+def save_tokenizer(tokenizer: Any, directory: str) -> None:
+    """A checkpoint's tokenizer: a transformers one as it saves itself, the run's own as tokenizer.json."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    else:
+        tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
 def trainer_state(ckpt: checkpoint_manifest.Checkpoint) -> dict[str, Any]:
