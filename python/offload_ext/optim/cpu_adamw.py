@@ -249,10 +249,9 @@ class CPUAdamW(torch.optim.Optimizer):
         sr_seed = self.sr_seed if group["stochastic_rounding"] and p.dtype == torch.bfloat16 else None
         # The fused kernel reads the gradient scaled as torch's clipping scales it, bit for bit: no pass of its
         # own over the gradient; the 8-bit kernel's gradient takes the scale in place first.
-        in_kernel = "exp_avg_absmax" not in state
-        if scale != 1.0 and not in_kernel:
-            local(p.grad).mul_(scale)
         if "exp_avg_absmax" in state:
+            if scale != 1.0:
+                local(p.grad).mul_(scale)
             eight_bit.adamw8bit_step(p.detach().view(-1), p.grad.detach().contiguous().view(-1), state["exp_avg"],
                                      state["exp_avg_sq"], state["exp_avg_absmax"], state["exp_avg_sq_absmax"],
                                      lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
@@ -274,7 +273,7 @@ class CPUAdamW(torch.optim.Optimizer):
             step=int(state["step"].item()),
             sr_seed=sr_seed,
             sr_stream=stream,
-            grad_scale=scale if in_kernel else 1.0,
+            grad_scale=scale,
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
