@@ -110,10 +110,10 @@ class FsdpTrainer:
             materialize_shards(model, lambda name, dst: weights.fill(originals[name], dst), "cpu")
         self.model = model
         groups, _ = build_groups(model, None, config.no_decay)
-        # After backward, not in it: under CPUOffloadPolicy a step in backward first waits for all the work the
-        # device was given (its host gradient's copy among it), so it overlaps nothing; clipped, the steps in
-        # backward keep a second copy of the state on the host and are redone whenever a step clips
-        # (docs/performance.md, FSDP2 with CPUAdamW).
+        # After backward, not in it: under CPUOffloadPolicy the steps in backward overlapped nothing when measured
+        # (run 99, when each waited for the whole device; it now waits for its own gradient's copy, not yet
+        # measured), and clipped they keep a second copy of the state on the host and are redone whenever a step
+        # clips (docs/performance.md, FSDP2 with CPUAdamW).
         self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                             max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
                             stochastic_rounding=stochastic(o.precision), sr_seed=config.seed)
