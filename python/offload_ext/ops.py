@@ -51,7 +51,7 @@ def adamw_step(
     elements drawing indices sr_offset.. of stream (sr_seed, sr_stream): offload_ext.optim.stochastic_rounding
     gives the rule, and the same result in torch ops.
     `grad_scale` != 1: the step reads bf16(grad * grad_scale) for a bf16 grad, the fp32 product for an fp32 one
-    (on the CPU; CUDA takes a bf16 grad), as a .grad is after torch.nn.utils.clip_grad_norm_ scales it.
+    on either device, as a .grad is after torch.nn.utils.clip_grad_norm_ scales it.
     """
     native()
     torch.ops.offload_ext.adamw_step(

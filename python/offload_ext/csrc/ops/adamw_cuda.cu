@@ -26,6 +26,12 @@ __device__ inline float grad_bf16(const uint16_t* g, int64_t i, float scale) {
   return kScale ? bf16_to_float(bf16_round_bits(DeviceLane::mul(x, scale))) : x;
 }
 
+// An fp32 gradient as the step reads it: as stored, or fp32(grad * scale) (adamw_kernel.h's load_grad_f32).
+template <bool kScale>
+__device__ inline float grad_f32(const float* g, int64_t i, float scale) {
+  return kScale ? DeviceLane::mul(g[i], scale) : g[i];
+}
+
 template <bool kScale>
 __global__ void __launch_bounds__(kThreads) adamw_bf16_kernel(uint16_t* __restrict__ p, const uint16_t* __restrict__ g,
                                                               uint16_t* __restrict__ m, uint16_t* __restrict__ v,
@@ -49,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) adamw_fp32_kernel(float* __restrict_
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     float P = p[i], M = m[i], S = v[i];
     const float G = kGradBF16 ? grad_bf16<kScale>(static_cast<const uint16_t*>(g), i, scale)
-                              : static_cast<const float*>(g)[i];
+                              : grad_f32<kScale>(static_cast<const float*>(g), i, scale);
     adamw_update<DeviceLane>(P, G, M, S, c);
     p[i] = P;
     m[i] = M;
@@ -66,9 +72,6 @@ void adamw_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
               "span on the CPU, or on the device without sr_seed");
   const StepUnit u = checked_unit("adamw_step", param, grad, exp_avg, exp_avg_sq, param_out, param.device());
   const AdamWCoef c = make_coef(checked_hyper(u, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
-  TORCH_CHECK(grad_scale == 1.0 || u.bf16_mode || u.grad_type == GradType::kBF16,
-              "adamw_step: on this device grad_scale applies to a bf16 grad (read as bf16(grad * grad_scale)); "
-              "scale an fp32 grad before the call and pass grad_scale=1");
   const int64_t n = u.numel;
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
@@ -87,13 +90,10 @@ void adamw_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
     auto* p = static_cast<float*>(u.param);
     auto* m = static_cast<float*>(u.exp_avg);
     auto* v = static_cast<float*>(u.exp_avg_sq);
-    if (u.grad_type == GradType::kFP32) {
-      adamw_fp32_kernel<false, false><<<blocks, kThreads, 0, stream>>>(p, u.grad, m, v, u.param_out, n, c, scale);
-    } else if (scaled) {
-      adamw_fp32_kernel<true, true><<<blocks, kThreads, 0, stream>>>(p, u.grad, m, v, u.param_out, n, c, scale);
-    } else {
-      adamw_fp32_kernel<true, false><<<blocks, kThreads, 0, stream>>>(p, u.grad, m, v, u.param_out, n, c, scale);
-    }
+    const bool bf16_grad = u.grad_type == GradType::kBF16;
+    const auto kernel = bf16_grad ? (scaled ? adamw_fp32_kernel<true, true> : adamw_fp32_kernel<true, false>)
+                                  : (scaled ? adamw_fp32_kernel<false, true> : adamw_fp32_kernel<false, false>);
+    kernel<<<blocks, kThreads, 0, stream>>>(p, u.grad, m, v, u.param_out, n, c, scale);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
