@@ -4,6 +4,7 @@ the FSDP2 run: train/fsdp_trainer.py)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import shlex
@@ -179,6 +180,10 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     world = torch.distributed.get_world_size()
     summary = train_loop(args, trainer, stream, tokenizer, start, metrics_path,
                     args.batch_size * args.seq_len * args.grad_accum * world, on_gpu, began)
+    # The sharded model and optimizer hold the group's last work objects: freed while the interpreter is whole,
+    # or gloo's loop thread frees them during finalization and can abort the process after its checkpoint.
+    del trainer, model, weights
+    gc.collect()
     torch.distributed.destroy_process_group()
     return summary
 
