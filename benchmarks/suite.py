@@ -53,7 +53,8 @@ CAP_GB = 24.0  # the B2 rows' GPU cap for every offloading mode: a 24 GB card's
 class Row:
     """One row: a bench_train mode on a shape (or, `fsdp`, a bench_fsdp mode on its B2 shape, one rank under
     torchrun), the row it is compared with (`peer`), its GPU cap, and the host memory its process is told it has
-    (`host_gb`: OFFLOAD_EXT_HOST_MEMORY, which the memory plan, and speculation's share, are sized to)."""
+    (`host_gb`: OFFLOAD_EXT_HOST_MEMORY, which the memory plan, and speculation's share, are sized to), and the
+    CUDA allocator's settings it starts with (`alloc_conf`: PYTORCH_CUDA_ALLOC_CONF)."""
 
     key: str
     shape: str
@@ -61,6 +62,7 @@ class Row:
     peer: str | None = None
     cap_gb: float | None = None
     host_gb: float | None = None
+    alloc_conf: str | None = None
     compile: bool = False
     fsdp: bool = False
 
@@ -124,6 +126,10 @@ PRESETS: dict[str, list[Row]] = {
            # choice while a checkpoint's copy of the device state was planned on the GPU, 4 while the plan kept a
            # tenth free, 6 with 1 % (the allocator then reserved 23.1 of the 24 GB)
            *(row for r in (3, 4, 6) for row in _layouts(f"handpicked-r{r}", f"auto-r{r}", "b2", ["clipreal"], CAP_GB)),
+           # 6 with the allocator growing segments instead of caching blocks: whether its reserve then stays
+           # within the plan's margin, so that the headroom could shrink to let the plan choose 6
+           *(dataclasses.replace(row, alloc_conf="expandable_segments:True")
+             for row in _layouts("handpicked-r6-xseg", "auto-r6", "b2", ["clipreal"], CAP_GB)),
            *_peers("b2", CAP_GB, zero2=False)],
     "lora": _pairs("b2", ["lora16"], CAP_GB, prefix="b2-"),
     # layers kept without recompute (opt-in: activation_checkpointing "none" or "auto"): B1 keeping every layer
@@ -270,6 +276,8 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the process's files stay in the jobs folder
     if row.host_gb:
         env["OFFLOAD_EXT_HOST_MEMORY"] = f"{row.host_gb:g}GB"
+    if row.alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = row.alloc_conf
     with open(stem + ".log", "w") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(_command(row, a, stem), stdout=log, stderr=subprocess.STDOUT, env=env)

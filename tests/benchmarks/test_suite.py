@@ -131,6 +131,16 @@ def test_a_row_s_host_memory_is_what_its_process_plans_with(tmp_path) -> None:
     assert "MemoryError" in got.get("error", ""), got
 
 
+def test_a_row_s_allocator_settings_are_the_ones_its_process_starts_with(tmp_path) -> None:
+    assert {r.key: r.alloc_conf for r in suite.PRESETS["b2"]}["handpicked-r6-xseg-clipreal"] == \
+        "expandable_segments:True"
+    a = suite.parse(["--preset", "b1", "--device", "cpu", "--warmup", "0", "--steps", "1", "--shape-args", TINY])
+    for key, conf in (("cached", None), ("grown", "expandable_segments:True")):
+        got = suite.run_row(suite.Row(key, "b1", "native-bf16", alloc_conf=conf), a, str(tmp_path), 1)
+        assert "error" not in got, got
+        assert json.loads((tmp_path / f"{key}-r1.json").read_text())["allocator"] == conf
+
+
 def test_every_row_of_every_preset_names_a_mode_its_benchmark_knows() -> None:
     import bench_train
 
