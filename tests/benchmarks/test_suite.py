@@ -131,7 +131,8 @@ def test_a_row_s_host_memory_is_what_its_process_plans_with(tmp_path) -> None:
     assert "MemoryError" in got.get("error", ""), got
 
 
-def test_a_row_s_allocator_settings_are_the_ones_its_process_starts_with(tmp_path) -> None:
+def test_a_row_s_allocator_settings_are_the_ones_its_process_starts_with(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # an earlier offload-train run's, in this process
     assert {r.key: r.alloc_conf for r in suite.PRESETS["b2"]}["handpicked-r6-xseg-clipreal"] == \
         "expandable_segments:True"
     a = suite.parse(["--preset", "b1", "--device", "cpu", "--warmup", "0", "--steps", "1", "--shape-args", TINY])
