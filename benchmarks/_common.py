@@ -122,6 +122,19 @@ def _free_stem(stem: str, dirs: list[str], exts: tuple[str, ...]) -> str:
     return candidate
 
 
+def fresh_dir(path: str) -> str:
+    """path, or path-2, path-3, ...: the first that did not exist, now made. A run's files go where no earlier
+    run's are, so that nothing it reads back can be another run's."""
+    candidate, n = path, 1
+    while True:
+        try:
+            os.makedirs(candidate)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}-{n}"
+
+
 def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: str | None = None) -> list[str]:
     """Write <stem>.json and <stem>.md into this run's directory, benchmarks/results/<date>_<commit>/ (or
     out_dir when given), and into $OUT when set; returns the paths.

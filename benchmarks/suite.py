@@ -310,8 +310,8 @@ def run_row(row: Row, a: argparse.Namespace, jobs: str, round_: int) -> dict[str
 
 
 def measure(rows: list[Row], a: argparse.Namespace, jobs: str) -> dict[str, list[dict[str, Any]]]:
-    """Every row, round after round, the order reversed every other round; each row's rounds in order."""
-    os.makedirs(jobs, exist_ok=True)
+    """Every row, round after round, the order reversed every other round; each row's rounds in order. `jobs`
+    is a folder of this run's own (fresh_dir): each row's result is read back from it."""
     got: dict[str, list[dict[str, Any]]] = {r.key: [] for r in rows}
     for k in range(a.rounds):
         for row in rows if k % 2 == 0 else rows[::-1]:
@@ -457,9 +457,11 @@ def main() -> None:
             break
         rows = selected(preset, a.only if a.preset != "all" else None)
         out = a.out or _common.run_dir(_common.git_commit(), datetime.datetime.now(datetime.timezone.utc))
-        got = measure(rows, a, os.path.join(out, f"suite_{preset}"))
+        jobs = _common.fresh_dir(os.path.join(out, f"suite_{preset}"))
+        got = measure(rows, a, jobs)
         summary = summarise(rows, got)
-        payload = {"preset": preset, "args": {k: v for k, v in vars(a).items() if k != "write"}, "rows": summary}
+        payload = {"preset": preset, "args": {k: v for k, v in vars(a).items() if k != "write"},
+                   "jobs": os.path.relpath(jobs, out), "rows": summary}
         markdown = rows_table(summary)
         paths = _common.write_results(f"suite_{preset}", payload, markdown, out_dir=out)
         written[preset] = os.path.relpath(paths[0], _common.REPO_DIR)

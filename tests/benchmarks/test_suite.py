@@ -70,6 +70,16 @@ def test_a_row_s_spread_is_the_range_of_all_its_timed_steps_over_their_median(me
     assert f"| {row['step_s']:.4f} ({rounds}), {(max(steps) - min(steps)) / row['step_s']:.1%} |" in line
 
 
+def test_a_second_suite_run_into_the_same_folder_reports_its_own_rows(tmp_path) -> None:
+    for steps in ("1", "3"):
+        subprocess.run([sys.executable, str(BENCH / "suite.py"), "--preset", "b1", "--only", "plain", "--rounds", "1",
+                        "--warmup", "0", "--steps", steps, "--device", "cpu", "--shape-args", TINY,
+                        "--out", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path)
+    second = json.loads((tmp_path / "suite_b1-2.json").read_text())
+    assert second["jobs"] == "suite_b1-2"
+    assert [len(r["rounds"][0]["step_times_s"]) for r in second["rows"]] == [3, 3]  # not the first run's one step
+
+
 def test_an_unknown_row_is_refused_naming_the_rows_there_are() -> None:
     with pytest.raises(SystemExit, match="b2 has no row 'fast'; its rows: resident-plain, plain"):
         suite.selected("b2", "fast")
