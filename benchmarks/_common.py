@@ -108,6 +108,15 @@ def git_commit(repo: str | None = None) -> str:
     return f"{head}-dirty" if dirty else head
 
 
+def host_copy_gb_s(elements: int = 1 << 29) -> float:
+    """The host's memory bandwidth as torch copies an fp32 buffer of `elements` with its threads: bytes read and
+    written per second, median of 7. Offloaded steps are bound by it; hosts of one machine kind differ."""
+    a = torch.ones(elements)
+    b = torch.empty_like(a)
+    sec = median_seconds(lambda: b.copy_(a), steps=7, warmup=2)
+    return 2 * a.numel() * a.element_size() / sec / 1e9
+
+
 def run_dir(commit: str, date: _dt.datetime, root: str | None = None) -> str:
     """benchmarks/results/<YYYY-MM-DD>_<commit>: the directory of one run (UTC date)."""
     return os.path.join(root or RESULTS_DIR, f"{date.astimezone(_dt.timezone.utc):%Y-%m-%d}_{commit}")

@@ -125,14 +125,6 @@ def deepspeed_step(dtype: torch.dtype, n: int, layers: int) -> Callable[[], None
     return opt.step
 
 
-def memory_bandwidth_gbs(threads: int) -> float:
-    """Host copy bandwidth with torch's threads: bytes read + written per second over 2 GiB buffers."""
-    a = torch.randn(1 << 29)
-    b = torch.empty_like(a)
-    sec = _common.median_seconds(lambda: b.copy_(a), steps=7, warmup=2)
-    return 2 * a.numel() * 4 / sec / 1e9
-
-
 def tune(n: int, layers: int) -> None:
     """Native bf16 and mixed over threads x prefetch x non-temporal output, one line each."""
     total = n * layers
@@ -242,7 +234,7 @@ def main() -> None:
         rows.append(row)
         print(f"  {name:44s} {sec:8.4f} s  {gps:6.2f} Gparam/s  {row['gb_per_s']:6.1f} GB/s", flush=True)
 
-    bw = memory_bandwidth_gbs(ARGS.threads)
+    bw = _common.host_copy_gb_s()
     print(f"  host copy bandwidth (torch, read+write)      {bw:6.1f} GB/s", flush=True)
     measure("native bf16", "bf16", lambda: native_step("bf16", n, layers))
     measure("native bf16-sr (stochastic rounding)", "bf16-sr", lambda: native_step("bf16-sr", n, layers))

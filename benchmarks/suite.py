@@ -403,6 +403,11 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _host_copy(result: dict[str, Any]) -> str:
+    """The host's copy bandwidth where the file has it (earlier files do not)."""
+    return f", host copy {result['host_copy_gb_s']:.0f} GB/s" if "host_copy_gb_s" in result else ""
+
+
 def table(path: str, base: str) -> str:
     """The table of one suite file (`path` relative to the repository), with what it ran on and a link to it
     relative to the directory `base` of the file it goes into."""
@@ -414,7 +419,7 @@ def table(path: str, base: str) -> str:
             f"{args['rounds']} round{'s' if args['rounds'] != 1 else ''}; {result['date'][:10]}, "
             f"commit {result['commit']}, "
             f"{machine.get('gpu') or 'CPU'} ({machine.get('usable_cpus', '?')}-core host, "
-            f"{machine.get('mem_total_gb', '?')} GB RAM); [{os.path.basename(path)}]({link})")
+            f"{machine.get('mem_total_gb', '?')} GB RAM{_host_copy(result)}); [{os.path.basename(path)}]({link})")
     return head + "\n\n" + rows_table(result["rows"])
 
 
@@ -453,6 +458,8 @@ def main() -> None:
     presets = list(PRESETS) if a.preset == "all" else [a.preset]
     written: dict[str, str] = {}
     signal.signal(signal.SIGTERM, STOP)
+    # the offloaded rows' host steps are bound by it, and machines of one kind differ: each file says its host's
+    host_copy = _common.host_copy_gb_s(1 << 28)
     for preset in presets:
         if STOP.requested:
             break
@@ -462,7 +469,7 @@ def main() -> None:
         got = measure(rows, a, jobs)
         summary = summarise(rows, got)
         payload = {"preset": preset, "args": {k: v for k, v in vars(a).items() if k != "write"},
-                   "jobs": os.path.relpath(jobs, out), "rows": summary}
+                   "jobs": os.path.relpath(jobs, out), "host_copy_gb_s": host_copy, "rows": summary}
         markdown = rows_table(summary)
         paths = _common.write_results(f"suite_{preset}", payload, markdown, out_dir=out)
         written[preset] = os.path.relpath(paths[0], _common.REPO_DIR)

@@ -59,6 +59,7 @@ def test_a_marked_table_is_regenerated_from_the_file_its_marker_names(measured, 
     text = doc.read_text()
     assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
     assert "[suite_b1.json](../suite_b1.json)" in text and "| clipreal | `native-bf16-auto-clipreal` | none |" in text
+    assert f"host copy {json.loads((out / 'suite_b1.json').read_text())['host_copy_gb_s']:.0f} GB/s" in text
     assert suite.rewrite(text, "docs") == text  # regenerating again changes nothing
 
 
