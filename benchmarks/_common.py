@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -122,26 +123,31 @@ def run_dir(commit: str, date: _dt.datetime, root: str | None = None) -> str:
     return os.path.join(root or RESULTS_DIR, f"{date.astimezone(_dt.timezone.utc):%Y-%m-%d}_{commit}")
 
 
+def _numbered(name: str) -> Iterator[str]:
+    """name, name-2, name-3, ...: the names a run takes in turn so as to overwrite nothing."""
+    yield name
+    yield from (f"{name}-{n}" for n in itertools.count(2))
+
+
 def _free_stem(stem: str, dirs: list[str], exts: tuple[str, ...]) -> str:
-    """stem, or stem-2, stem-3, ...: the first for which no <stem>.<ext> exists in any of dirs."""
-    candidate, n = stem, 1
-    while any(os.path.exists(os.path.join(d, f"{candidate}.{ext}")) for d in dirs for ext in exts):
-        n += 1
-        candidate = f"{stem}-{n}"
-    return candidate
+    """The first of _numbered(stem) for which no <stem>.<ext> exists in any of dirs."""
+    return next(c for c in _numbered(stem)
+                if not any(os.path.exists(os.path.join(d, f"{c}.{ext}")) for d in dirs for ext in exts))
 
 
 def fresh_dir(path: str) -> str:
-    """path, or path-2, path-3, ...: the first that did not exist, now made. A run's files go where no earlier
-    run's are, so that nothing it reads back can be another run's."""
-    candidate, n = path, 1
-    while True:
-        try:
-            os.makedirs(candidate)
-            return candidate
-        except FileExistsError:
-            n += 1
-            candidate = f"{path}-{n}"
+    """The first of _numbered(path) that did not exist, now made. A run's files go where no earlier run's are,
+    so that nothing it reads back can be another run's."""
+    return next(c for c in _numbered(path) if _made(c))
+
+
+def _made(path: str) -> bool:
+    """Makes the directory `path`; False where it existed (the check and the making are one step)."""
+    try:
+        os.makedirs(path)
+    except FileExistsError:
+        return False
+    return True
 
 
 def write_results(stem: str, payload: dict[str, Any], markdown: str, out_dir: str | None = None) -> list[str]:
