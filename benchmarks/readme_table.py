@@ -40,6 +40,8 @@ ROWS = [
     ("LoRA r16, beside resident LoRA (bf16 adapters both)", "b2", "b2-lora16"),
     ("FSDP2 offload (one rank) with CPUAdamW, clip 1.0, beside it with torch's fused AdamW", "b2",
      "fsdp-cpuadamw-clip"),
+    ("FSDP2 offload (one rank), no clipping, CPUAdamW stepping in backward (offload-train --fsdp's way), beside it "
+     "with torch's fused AdamW", "b2", "fsdp-overlap"),
     ("every layer kept (no recompute), beside resident without checkpointing", "b1", "ckptnone"),
     ("layers kept where the cap has room, beside resident-lean", "b2", "b2-ckptauto"),
     ("activation offload, beside the same run uncapped", "b2-32k", "long-aoff"),

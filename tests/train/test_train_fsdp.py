@@ -1,7 +1,7 @@
 """offload-train --fsdp under torchrun, two gloo ranks on the CPU: the embedded default trains, rank 0 alone logs,
 the checkpoint holds the gathered weights as transformers reads them, a run stopped half way and resumed from its
-distributed checkpoint ends exactly where the run without a stop does, and a kill during a save leaves the last
-complete checkpoint to resume from."""
+distributed checkpoint ends exactly where the run without a stop does, a kill during a save leaves the last
+complete checkpoint to resume from, and without clipping the shards step in backward, bit for bit as after it."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,10 @@ from helpers import torchrun
 from offload_ext.train.prior_run import complete_checkpoints
 
 
-def _train(out, *flags: str, env: dict[str, str] | None = None, check: bool = True):
-    return torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4",
-                    "--max-grad-norm", "1.0", "--out", str(out), *flags,
-                    env={"OFFLOAD_TRAIN_NO_BAR": "1", **(env or {})}, check=check)
+def _train(out, *flags: str, env: dict[str, str] | None = None, check: bool = True, clip: str | None = "1.0"):
+    clipping = ("--max-grad-norm", clip) if clip is not None else ()
+    return torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", *clipping,
+                    "--out", str(out), *flags, env={"OFFLOAD_TRAIN_NO_BAR": "1", **(env or {})}, check=check)
 
 
 def _rows(out) -> list[dict]:
@@ -58,3 +58,22 @@ def test_fsdp_training_killed_while_saving_resumes_from_the_last_complete_checkp
     assert [s for s, _ in complete_checkpoints(killed)] == [2]
     _train(killed, "--resume")
     assert [(r["step"], r["loss"]) for r in _rows(killed)] == [(r["step"], r["loss"]) for r in _rows(whole)]
+
+
+def test_fsdp_training_without_clipping_steps_in_backward_exactly_as_after_it(tmp_path) -> None:
+    # a norm no gradient reaches keeps the steps after backward and leaves every step unscaled: the same kernel on
+    # the same gradients, so the losses and weights match bit for bit; two micro-batches a step, the first without
+    # FSDP2's reduce-scatter (no gradient final yet: nothing may step on it)
+    inside, after = tmp_path / "inside", tmp_path / "after"
+    ran = _train(inside, "--grad-accum", "2", clip=None)
+    assert "CPUAdamW stepping the shards in backward" in ran.stdout
+    ran = _train(after, "--grad-accum", "2", clip="1e9")
+    assert "CPUAdamW stepping the shards after backward" in ran.stdout
+    assert [r["clip"] for r in _rows(after)] == ["unclipped"] * 4
+    assert [(r["step"], r["loss"]) for r in _rows(inside)] == [(r["step"], r["loss"]) for r in _rows(after)]
+
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(inside / "latest" / "model.safetensors"), load_file(after / "latest" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].equal(theirs[k]) for k in ours)

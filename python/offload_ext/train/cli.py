@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(str(exc)) from exc
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
+    if dist_rank() == 0:
+        print(f"offload-train: {trainer.describe()}", flush=True)
     start = trainer.load(stream, resume_from) if resume_from is not None else 0
     metrics_path = _settle_out(args, resume_from is not None, start)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
@@ -172,6 +174,8 @@ def _run_fsdp(args: argparse.Namespace, device: torch.device, simulated: bool, b
     trainer = FsdpTrainer(train_config(args, device), model, weights, device)
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
+    if dist_rank() == 0:
+        print(f"offload-train: {trainer.describe()}", flush=True)
     start = trainer.load(stream, resume_from) if resume_from is not None else 0
     metrics_path = os.path.join(args.out, prior_run.METRICS)
     if dist_rank() == 0:

@@ -1,9 +1,9 @@
 """offload-train --fsdp under torchrun: FSDP2 (fully_shard per decoder layer and the root; CPUOffloadPolicy on
-GPUs) with CPUAdamW stepping each rank's shards after backward, the model built on the meta device
-and each rank's shards filled from the run's weights (offload_ext.models.fsdp_shards), each rank its own batches, and
-checkpoints committed as the single-GPU trainer's are (offload_ext.train.run_dir: a step directory sealed by its
-manifest): the gathered weights as HF safetensors, written by rank 0, beside a distributed checkpoint to resume
-from, written by every rank."""
+GPUs) with CPUAdamW stepping each rank's shards (in backward without clipping, after it with), the model built
+on the meta device and each rank's shards filled from the run's weights (offload_ext.models.fsdp_shards), each
+rank its own batches, and checkpoints committed as the single-GPU trainer's are (offload_ext.train.run_dir: a
+step directory sealed by its manifest): the gathered weights as HF safetensors, written by rank 0, beside a
+distributed checkpoint to resume from, written by every rank."""
 from __future__ import annotations
 
 import argparse
@@ -110,15 +110,23 @@ class FsdpTrainer:
             materialize_shards(model, lambda name, dst: weights.fill(originals[name], dst), "cpu")
         self.model = model
         groups, _ = build_groups(model, None, config.no_decay)
-        # After backward, not in it: under CPUOffloadPolicy the steps in backward overlapped nothing when measured
-        # (run 99, when each waited for the whole device; it now waits for its own gradient's copy, not yet
-        # measured), and clipped they keep a second copy of the state on the host and are redone whenever a step
-        # clips (docs/performance.md, FSDP2 with CPUAdamW).
+        # Without clipping each shard steps in backward once its gradient is on the host (the step waits for that
+        # copy alone), hidden under the layers' backward below it. Clipping needs every rank's gradients for the
+        # norm first, and steps taken before it would keep a second copy of the state on the host to be redone
+        # whenever a step clips: after backward then (docs/performance.md, FSDP2 with CPUAdamW).
+        self.steps_in_backward = o.max_grad_norm is None
         self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                             max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
-                            stochastic_rounding=stochastic(o.precision), sr_seed=config.seed)
+                            stochastic_rounding=stochastic(o.precision), sr_seed=config.seed,
+                            overlap=self.steps_in_backward)
         self.optimizer = self.opt
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, config.lr_factor)
+
+    def describe(self) -> str:
+        """How the run steps, as offload-train prints it."""
+        when = "in backward, each once its gradient is on the host" if self.steps_in_backward else \
+            "after backward (--max-grad-norm needs the global norm first)"
+        return f"FSDP2 over {dist.get_world_size()} ranks, CPUAdamW stepping the shards {when}"
 
     @property
     def lr(self) -> float:
