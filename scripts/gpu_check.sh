@@ -3,7 +3,7 @@
 # benchmarks, writing logs and results under $OUT. Steps: build test dequant adamw adamw-tune pin train
 # adamw-quick train-quick train-mixed train-compile gap test-gpu train-1b train-default loss-curves precision-curves
 # precision-curves-b1
-# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp cuda-start bytecode train-nice
+# sanitize train-recipes train-b2 train-b2-ds timeline host-passes load dry-run scratch-8b train-qwen train-lora overhead train-kept train-b2-kept train-long fsdp train-fsdp train-fsdp-steps cuda-start bytecode train-nice
 # accum-compile accum-sweep hog accum-probe accum-paired recipes-paired (default: build test
 # adamw train).
 # KEPT_MODES, KEPT_CAPPED_MODES: train-kept's two lists (uncapped; under the 24 GB cap); B2_KEPT_MODES: train-b2-kept's.
@@ -232,6 +232,15 @@ for step in "${steps[@]}"; do
       run train_fsdp_a "${fsdp_train[@]}" --stop-after 4
       run train_fsdp_b "${fsdp_train[@]}" --resume
       cp /tmp/run_fsdp/metrics.jsonl "$OUT/metrics_fsdp.jsonl" ;;
+    train-fsdp-steps)  # offload-train --fsdp without clipping (stepping in backward) beside --max-grad-norm 1e9
+      # (after backward, never clipping: the same steps), the 1B shape, in turns, each run twice
+      export OFFLOAD_TRAIN_NO_BAR=1
+      fsdp_steps=(torchrun --nproc-per-node "${FSDP_GPUS:-1}" --no-python offload-train --fsdp --model llama-1b
+        --batch-size 4 --seq-len 2048 --steps 12 --lr 1e-4 --warmup-steps 2)
+      for turn in 1 2; do
+        run "train_fsdp_inside_$turn" "${fsdp_steps[@]}" --out "/tmp/fsdp_inside_$turn"
+        run "train_fsdp_after_$turn" "${fsdp_steps[@]}" --max-grad-norm 1e9 --out "/tmp/fsdp_after_$turn"
+      done ;;
     train-long)  # issue 13: the 8B shape at 1 x 32768 under 24 GB with activation offload (resident capped too, to
       # show it does not fit), then the same offloaded run uncapped without activation offload
       run train_long_capped python3 benchmarks/bench_train.py --preset b2 --batch 1 --seq 32768 --gpu-cap-gb 24 \
