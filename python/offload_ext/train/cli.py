@@ -93,8 +93,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(str(exc)) from exc
     marks.append(("engine", time.perf_counter()))
     print_setup(marks, trainer)
-    if dist_rank() == 0:
-        print(f"offload-train: {trainer.describe()}", flush=True)
     start = trainer.load(stream, resume_from) if resume_from is not None else 0
     metrics_path = _settle_out(args, resume_from is not None, start)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
