@@ -114,17 +114,16 @@ class FsdpTrainer:
         # copy alone), hidden under the layers' backward below it. Clipping needs every rank's gradients for the
         # norm first, and steps taken before it would keep a second copy of the state on the host to be redone
         # whenever a step clips: after backward then (docs/performance.md, FSDP2 with CPUAdamW).
-        self.steps_in_backward = o.max_grad_norm is None
         self.opt = CPUAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                             max_grad_norm=o.max_grad_norm, master_weights=o.precision == "mixed",
                             stochastic_rounding=stochastic(o.precision), sr_seed=config.seed,
-                            overlap=self.steps_in_backward)
+                            overlap=o.max_grad_norm is None)
         self.optimizer = self.opt
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, config.lr_factor)
 
     def describe(self) -> str:
         """How the run steps, as offload-train prints it."""
-        when = "in backward, each once its gradient is on the host" if self.steps_in_backward else \
+        when = "in backward, each once its gradient is on the host" if self.opt.overlap is not None else \
             "after backward (--max-grad-norm needs the global norm first)"
         return f"FSDP2 over {dist.get_world_size()} ranks, CPUAdamW stepping the shards {when}"
 
