@@ -23,6 +23,16 @@ def _rows(out) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _assert_same_weights(ours, theirs) -> None:
+    """The gathered weights two runs' latest checkpoints hold, as transformers reads them, equal bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    a, b = (AutoModelForCausalLM.from_pretrained(out / "latest").state_dict() for out in (ours, theirs))
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert tensor.equal(b[name]), name
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """The run without a stop."""
@@ -40,13 +50,7 @@ def test_fsdp_training_stopped_and_resumed_ends_where_the_run_without_a_stop_doe
     assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
     assert all(r["clip"] in ("unclipped", "clipped") for r in ours)  # CPUAdamW steps after backward
     assert [s for s, _ in complete_checkpoints(halves)] == [2, 4]  # sealed step directories, one a save
-
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(whole / "latest")  # the gathered weights, whole
-    resumed = AutoModelForCausalLM.from_pretrained(halves / "latest")
-    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
-        assert a.equal(b), name
+    _assert_same_weights(halves, whole)
 
 
 def test_fsdp_training_killed_while_saving_resumes_from_the_last_complete_checkpoint(whole, tmp_path) -> None:
@@ -71,9 +75,4 @@ def test_fsdp_training_without_clipping_steps_in_backward_exactly_as_after_it(tm
     assert "CPUAdamW stepping the shards after backward" in ran.stdout
     assert [r["clip"] for r in _rows(after)] == ["unclipped"] * 4
     assert [(r["step"], r["loss"]) for r in _rows(inside)] == [(r["step"], r["loss"]) for r in _rows(after)]
-
-    from safetensors.torch import load_file
-
-    ours, theirs = load_file(inside / "latest" / "model.safetensors"), load_file(after / "latest" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    assert all(ours[k].equal(theirs[k]) for k in ours)
+    _assert_same_weights(inside, after)
