@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -221,6 +222,77 @@ def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -
     with pytest.raises(ValueError, match="another model"):  # refused before any buffer is written
         other.load_state(str(tmp_path))
     other.close()
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for v in items for t in _tensors_in(v)]
+
+
+@pytest.mark.parametrize("precision", ["bf16-sr", "mixed"])
+def test_save_state_streams_the_device_state_into_its_own_file_and_keeps_no_tensor_in_the_small_one(
+        tmp_path, precision) -> None:
+    # A checkpoint never holds the device's whole state on the host: engine_state.pt is tensor-free, and
+    # engine_device.safetensors holds what state_dict()'s device part holds, bit for bit (a resident layer's too).
+    model = tiny_llama(layers=3)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
+                                resident_layers=1)
+    offloaded_training(off, model, batches(2))
+    off.save_state(str(tmp_path))
+    outer = off.state_dict()["outer"]
+    off.close()
+    small = torch.load(tmp_path / "engine_state.pt", weights_only=True)
+    assert _tensors_in(small) == []
+    saved = safetensors.torch.load_file(str(tmp_path / "engine_device.safetensors"))
+    expected = {**{f"params.{i}": t for i, t in enumerate(outer["params"])},
+                **{f"masters.{i}": t for i, t in enumerate(outer["masters"])},
+                **{f"optimizer.{i}.{k}": t for i, entries in outer["optimizer"]["state"].items()
+                   for k, t in entries.items()}}
+    assert saved.keys() == expected.keys() and len(outer["optimizer"]["state"]) > 0
+    for name, t in expected.items():
+        assert saved[name].dtype == t.dtype and torch.equal(saved[name], t), name
+
+
+def test_load_state_reads_a_directory_whose_small_file_holds_the_device_state(tmp_path) -> None:
+    # Directories written before the device's tensors had a file of their own keep loading.
+    base, data = tiny_llama(layers=3), batches(5)
+    kw = dict(lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu", max_grad_norm=0.5)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:2])
+    off.save_state(str(tmp_path))
+    small = torch.load(tmp_path / "engine_state.pt", weights_only=True)
+    torch.save({**small, "outer": off.state_dict()["outer"]}, tmp_path / "engine_state.pt")  # the older form
+    (tmp_path / "engine_device.safetensors").unlink()
+    expected = offloaded_training(off, model, data[2:])
+    off.close()
+    resumed = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed, **kw)
+    off2.load_state(str(tmp_path))
+    assert offloaded_training(off2, resumed, data[2:]) == expected
+    off2.close()
+
+
+def test_load_state_refuses_device_tensors_of_another_shape_before_writing_anything(tmp_path) -> None:
+    # The same layers with a larger vocabulary: the host buffers would fit, the embeddings do not; the refusal
+    # comes before the host buffers are read into.
+    kw = dict(lr=LR, weight_decay=WD, precision="bf16", backend="native", device="cpu")
+    model = tiny_llama(layers=2)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, batches(2))
+    off.save_state(str(tmp_path))
+    off.close()
+    other = tiny_llama(layers=2)
+    other.resize_token_embeddings(160, mean_resizing=False)
+    off2 = offload_ext.Offloader(other, **kw)
+    before = off2.state_dict()
+    with pytest.raises(ValueError, match=r"saved params\.0 is \[128, 64\].*another model"):
+        off2.load_state(str(tmp_path))
+    after = off2.state_dict()
+    off2.close()
+    assert all(torch.equal(a, b) for a, b in zip(_tensors_in(before["layers"]), _tensors_in(after["layers"])))
 
 
 @pytest.mark.parametrize("resident_layers", [0, 1])

@@ -167,6 +167,30 @@ def test_state_dict_copies_the_device_state_to_the_host_and_takes_no_device_memo
     off2.close()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_save_state_streams_the_device_state_without_device_memory_and_load_state_continues_the_run(
+        tmp_path, precision) -> None:
+    # save_state copies the device optimizer's tensors out one at a time (no GPU allocation) and load_state reads
+    # them back into CUDA tensors through one staged tensor; the run goes on as if never stopped.
+    base, data = small_llama(), repeating_batches(4)
+    kw = dict(lr=1e-3, precision=precision, backend="native", device="cuda", resident_layers=1)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:2], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    off.save_state(str(tmp_path))
+    assert torch.cuda.max_memory_allocated() == before
+    expected = offloaded_training(off, model, data[2:], device="cuda")
+    off.close()
+    resumed = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed, **kw)
+    off2.load_state(str(tmp_path))
+    assert offloaded_training(off2, resumed, data[2:], device="cuda") == expected
+    off2.close()
+
+
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_randomised_copy_timing_changes_nothing(backend) -> None:
     plain_losses, plain_weights = _train_transfer_heavy(backend, delay=False)

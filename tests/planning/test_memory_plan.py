@@ -358,15 +358,19 @@ def test_the_gpu_figures_are_within_a_tenth_of_the_gpu_machines(name, batch, lor
     assert memory.gpu.peak == pytest.approx(measured, rel=0.10)
 
 
-@pytest.mark.parametrize("precision,per_param", [("bf16", 2 + 4), ("mixed", 2 + 8 + 4)])
-def test_a_checkpoint_copies_the_device_optimizer_to_the_host_not_the_gpu(precision, per_param) -> None:
-    # state_dict() copies each resident layer's bf16 weights and its moments (and fp32 master in "mixed") to the
-    # host: the host's peak counts them, and no phase of the GPU's plan holds a copy.
-    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096  # an 8 B decoder layer's parameters
-    plans = {r: offload_ext.plan(_shape_config("llama-8b"), batch_size=1, seq_len=4096, gpu_memory="139GiB",
+@pytest.mark.parametrize("precision,per_element", [("bf16", 2), ("mixed", 4)])
+def test_a_checkpoint_adds_one_device_tensor_to_the_host_and_nothing_to_the_gpu(precision, per_element) -> None:
+    # save_state streams the device's tensors out one at a time: the largest (the embedding; its fp32 moment or
+    # master in "mixed") is what a checkpoint adds to the host's peak, however many layers are resident, and no
+    # phase of the GPU's plan holds a copy. On the simulated device they are written where they lie.
+    config = _shape_config("llama-8b")
+    plans = {r: offload_ext.plan(config, batch_size=1, seq_len=4096, gpu_memory="139GiB",
                                  host_memory="125GB", precision=precision, resident_layers=r) for r in (0, 2)}
-    assert plans[2].host_checkpoint - plans[0].host_checkpoint == 2 * layer * per_param
+    embedding = config.vocab_size * config.hidden_size
+    assert plans[0].host_checkpoint == plans[2].host_checkpoint == per_element * embedding
+    assert "checkpoint: the largest device tensor, copied out alone" in str(plans[2])
     assert set(plans[2].gpu_phases) == {"embedding backward", "optimizer step", "layer backward", "loss"}
+    assert offload_ext.plan(config, precision=precision, device="cpu", host_memory="125GB").host_checkpoint == 0
 
 
 @pytest.mark.parametrize("knobs,micro,measured", [

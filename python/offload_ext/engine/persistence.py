@@ -1,6 +1,7 @@
-"""The Offloader's state and weights in and out: state_dict / save_state (the host buffers written straight from
-where they live, the rest beside them), their loads (everything checked before anything is written), and the
-model's weights as transformers writes and reads them (save_pretrained, from_pretrained, from_config)."""
+"""The Offloader's state and weights in and out: state_dict / save_state (the host buffers and the device's tensors
+written straight from where they live, the rest beside them), their loads (everything checked before anything is
+written), and the model's weights as transformers writes and reads them (save_pretrained, from_pretrained,
+from_config)."""
 from __future__ import annotations
 
 import os
@@ -27,7 +28,10 @@ if TYPE_CHECKING:
     from offload_ext.engine.offloader import Offloader
 
 _CONSTRUCTOR_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay", "batch_shape")
-_STATE_STEM = "engine_state"  # save_state's files: engine_state.safetensors (host buffers), engine_state.pt
+# save_state's files: engine_state.safetensors (the host buffers), engine_device.safetensors (the device optimizer's
+# parameters and state), engine_state.pt (the rest, no tensors).
+_STATE_STEM = "engine_state"
+_DEVICE_STEM = "engine_device"
 
 
 class StateIO:
@@ -46,7 +50,7 @@ class StateIO:
     def state_dict(self) -> dict[str, Any]:
         self._check_open()
         self._settle()
-        return {**self._small_state(), "layers": host_state(self._host)}
+        return {**self._small_state(self._device_opt.state_dict()), "layers": host_state(self._host)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_open()
@@ -56,38 +60,47 @@ class StateIO:
         self._load_small_state(state)
 
     def save_state(self, path: str) -> None:
-        """state_dict() written to a directory without a copy of the host buffers in memory: they go to
-        engine_state.safetensors straight from where they live, the rest (step, groups, the device
-        optimizer) to engine_state.pt. load_state(path) reads it back."""
+        """state_dict() written to a directory without a copy of the state in memory: the host buffers go to
+        engine_state.safetensors straight from where they live, the device optimizer's tensors to
+        engine_device.safetensors one at a time, the rest (step, groups) to engine_state.pt. load_state(path)
+        reads it back."""
         self._check_open()
         self._settle()
         write_safetensors(path, host_sources(self._host), stem=_STATE_STEM)
+        write_safetensors(path, self._device_opt.tensor_sources(), stem=_DEVICE_STEM)
         small = os.path.join(path, _STATE_STEM + ".pt")
-        torch.save(self._small_state(), small + ".partial")
+        torch.save(self._small_state(self._device_opt.skeleton()), small + ".partial")
         os.replace(small + ".partial", small)
 
     def load_state(self, path: str) -> None:
-        """Restore what save_state(path) wrote, reading the host buffers straight into place; everything
-        is checked against this Offloader before any of it is written."""
+        """Restore what save_state(path) wrote, reading the host buffers and the device's tensors straight
+        into place; everything is checked against this Offloader before any of it is written. A directory
+        written before the device's tensors had a file of their own (engine_state.pt holding them) loads too."""
         self._check_open()
         self._settle()
         # weights_only: a state file is data; unpickling arbitrary objects from it could run code.
         state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=True)
         self._check_small_state(state)
+        device = SafetensorsCheckpoint(path, stem=_DEVICE_STEM) if state["outer"].get("streamed") else None
+        if device is not None:
+            self._device_opt.check_streamed(device)
         read_host_state(self._host, SafetensorsCheckpoint(path, stem=_STATE_STEM))
-        self._load_small_state(state)
+        self._load_small_state(state, device)
 
-    def _small_state(self) -> dict[str, Any]:
+    def _small_state(self, outer: dict[str, Any]) -> dict[str, Any]:
+        """Everything but the host buffers; `outer`: the device optimizer's state (or its skeleton)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"step": self._step, "precision": self.precision, "param_groups": groups,
-                "spans": span_names(self.model, self.layout), "outer": self._device_opt.state_dict(),
-                "sr_seed": self._sr_seed}
+                "spans": span_names(self.model, self.layout), "outer": outer, "sr_seed": self._sr_seed}
 
     def _check_small_state(self, state: dict[str, Any]) -> None:
         check_state(state, self.precision, span_names(self.model, self.layout), len(self.param_groups), self._sr_seed)
 
-    def _load_small_state(self, state: dict[str, Any]) -> None:
-        self._device_opt.load_state_dict(state["outer"])
+    def _load_small_state(self, state: dict[str, Any], device: SafetensorsCheckpoint | None = None) -> None:
+        if device is None:
+            self._device_opt.load_state_dict(state["outer"])
+        else:
+            self._device_opt.load_streamed(state["outer"], device)
         self._step = int(state["step"])
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload_ext.models.safetensors_io import SafetensorsCheckpoint, TensorEntry, TensorSource
 from offload_ext.optim.cpu_adamw import StochasticAdamW
 from offload_ext.optim.stochastic_rounding import DEVICE_STREAMS
 
@@ -81,9 +82,98 @@ class DeviceOptimizer:
         if self.opt is not None and state["optimizer"] is not None:
             self.opt.load_state_dict(state["optimizer"])
 
+    # save_state's form: the tensors stream into a safetensors file one at a time, so a checkpoint never holds
+    # the device's whole state on the host (an 8 B model's embeddings and resident layers: 13 GB in bf16, 30 in
+    # mixed); the rest, tensor-free, goes into the small state file.
+
+    def tensor_sources(self) -> list[tuple[str, TensorSource]]:
+        """Every tensor of state_dict() by name, each copied off the device only when its turn to be written
+        comes."""
+        return [(name, TensorSource(t.dtype, tuple(t.shape), lambda t=t: t.cpu().contiguous()))
+                for name, t in self._named_tensors()]
+
+    def skeleton(self) -> dict[str, Any]:
+        """state_dict() without its tensors: what load_streamed needs beside the file of tensor_sources()."""
+        if self.opt is None:
+            return {"streamed": True, "optimizer": None}
+        state = self.opt.state_dict()
+        return {"streamed": True, "optimizer": {
+            "state": {i: {k: copy.deepcopy(v) for k, v in entries.items() if not isinstance(v, torch.Tensor)}
+                      for i, entries in state["state"].items()},
+            "param_groups": copy.deepcopy(state["param_groups"])}}
+
+    def check_streamed(self, checkpoint: SafetensorsCheckpoint) -> None:
+        """Raise ValueError, before anything is written, unless `checkpoint` holds this optimizer's tensors: its
+        parameters and masters by name and shape, and optimizer state only for parameters it steps."""
+        live = dict(self._named_tensors(with_optimizer=False))
+        saved_live = {n: e for n, e in checkpoint.entries.items() if not n.startswith("optimizer.")}
+        if set(saved_live) != set(live):
+            raise ValueError(f"Offloader: {checkpoint.path} holds {len(saved_live)} device tensors, this Offloader "
+                             f"has {len(live)}: was the state made for another model or precision?")
+        stepped = self._stepped()
+        for name, entry in checkpoint.entries.items():
+            expected = self._saved_shape(name, live, stepped)
+            scalar_state = name.startswith("optimizer.") and entry.shape == ()  # a step count
+            if expected is None or (entry.shape != expected and not scalar_state):
+                raise ValueError(f"Offloader: saved {name} is {list(entry.shape)}, which this Offloader's device "
+                                 "parameters do not hold: was the state made for another model?")
+
+    def load_streamed(self, skeleton: dict[str, Any], checkpoint: SafetensorsCheckpoint) -> None:
+        """Read back what tensor_sources() wrote (checked by check_streamed) into the live tensors and the
+        optimizer's state, a tensor at a time."""
+        with torch.no_grad():
+            for name, t in self._named_tensors(with_optimizer=False):
+                _read_to(checkpoint, checkpoint.entries[name], t)
+        if self.opt is None or skeleton["optimizer"] is None:
+            return
+        stepped = self._stepped()
+        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in skeleton["optimizer"]["state"].items()}
+        for name, entry in checkpoint.entries.items():
+            if name.startswith("optimizer."):
+                _, i, key = name.split(".", 2)
+                # A scalar (the step count) stays on the CPU: torch's load_state_dict moves it where its rule says.
+                device = stepped[int(i)].device if entry.shape else torch.device("cpu")
+                value = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+                _read_to(checkpoint, entry, value)
+                state.setdefault(int(i), {})[key] = value
+        self.opt.load_state_dict({"state": state, "param_groups": skeleton["optimizer"]["param_groups"]})
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """The tensors the torch optimizer steps, in the order its state_dict numbers them."""
+        return [p for g in self.opt.param_groups for p in g["params"]] if self.opt is not None else []
+
+    def _named_tensors(self, with_optimizer: bool = True) -> list[tuple[str, torch.Tensor]]:
+        named = [(f"params.{i}", p.detach()) for i, p in enumerate(self.params)]
+        named += [(f"masters.{i}", m.detach()) for i, m in enumerate(self.masters)]
+        if with_optimizer and self.opt is not None:
+            named += [(f"optimizer.{i}.{k}", v.detach()) for i, entries in self.opt.state_dict()["state"].items()
+                      for k, v in entries.items() if isinstance(v, torch.Tensor)]
+        return named
+
+    @staticmethod
+    def _saved_shape(name: str, live: dict[str, torch.Tensor], stepped: list[torch.Tensor]) -> tuple[int, ...] | None:
+        """The shape a saved tensor must have here, None where this optimizer has no such tensor."""
+        if name in live:
+            return tuple(live[name].shape)
+        head, i, _ = (name.split(".", 2) + ["", ""])[:3]
+        if head != "optimizer" or not i.isdigit() or int(i) >= len(stepped):
+            return None
+        return tuple(stepped[int(i)].shape)
+
 
 def _on_host(state: dict[str, Any]) -> dict[str, Any]:
     """A torch optimizer's state_dict with each state tensor copied to the CPU."""
     per_param = {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                      for k, v in entries.items()} for i, entries in state["state"].items()}
     return {"state": per_param, "param_groups": copy.deepcopy(state["param_groups"])}
+
+
+def _read_to(checkpoint: SafetensorsCheckpoint, entry: TensorEntry, dst: torch.Tensor) -> None:
+    """Fill dst (on any device) with a saved tensor's values, through a CPU copy of that one tensor where dst is
+    not a contiguous CPU tensor itself."""
+    if dst.device.type == "cpu" and dst.is_contiguous():
+        checkpoint.read_into(entry, dst)
+        return
+    staged = torch.empty(entry.shape, dtype=dst.dtype)
+    checkpoint.read_into(entry, staged)
+    dst.copy_(staged)

@@ -125,11 +125,11 @@ def _reasons(ev: Evaluation, machine: Machine) -> list[str]:
 
 
 def _checkpoint_bytes(ev: Evaluation, precision: str) -> int:
-    """Host bytes state_dict()/save_state() copy out of the device: its parameters (bf16), and for the trainable
-    ones the optimizer's moments (bf16; fp32 in "mixed") and masters ("mixed")."""
-    params = ev.choices.layout.device_params
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    return 2 * sum(p.numel() for p in params) + (12 if precision == "mixed" else 4) * trainable
+    """Host bytes save_state()/load_state() hold for a GPU's tensors: they pass one at a time, so the largest of
+    them (a parameter in bf16, its moments bf16 or, in "mixed", fp32 like its master). The simulated device's are
+    written and read where they lie."""
+    largest = max((p.numel() for p in ev.choices.layout.device_params), default=0)
+    return (4 if precision == "mixed" else 2) * largest
 
 
 def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: GroupOf = lambda p: 0) -> MemoryPlan:
@@ -143,7 +143,8 @@ def plan_for(model: nn.Module, settings: Settings, machine: Machine, group_of: G
     params = sum(p.numel() for p in model.parameters())
     name = f"{type(model).__name__} ({params / 1e9:.2f} B params)"
     return MemoryPlan(name, settings, str(machine.device), ev.host.need.by_what(), machine.host_available, process,
-                      _checkpoint_bytes(ev, settings.config.precision), ev.host.speculating, ev.gpu,
+                      _checkpoint_bytes(ev, settings.config.precision) if machine.cuda else 0,
+                      ev.host.speculating, ev.gpu,
                       machine.gpu_available,
                       machine.gpu_total, batch, largest_seq(model, ev, machine) if known else None, fits,
                       tuple(reasons), tuple(_options(model, ev, machine, group_of)) if not fits else (),

@@ -129,7 +129,7 @@ class MemoryPlan:
                          f"{self.speculating[1]} units")
         cuda = " and the CUDA runtime" if self.device.startswith("cuda") else ""
         lines += [_row(f"  process: interpreter, libraries{cuda}", "", _gb(self.host_process)),
-                  _row("  checkpoint: the device's parameters and state copied out", "", _gb(self.host_checkpoint)),
+                  _row("  checkpoint: the largest device tensor, copied out alone", "", _gb(self.host_checkpoint)),
                   *([_row("  the simulated device's peak (below)", "", _gb(self.host_simulated))]
                     if self.host_simulated else []),
                   *([_row("  activation offload: checkpointed layers' inputs", "", _gb(self.host_activations))]

@@ -165,7 +165,7 @@ class Trainer:
         state = {
             "step": step,
             "data": stream.state(),
-            "engine": None,  # the Offloader's: engine_state.* beside this file (save_state)
+            "engine": None,  # the Offloader's: engine_state.* and engine_device.* beside this file (save_state)
             "optimizer": self.opt.state_dict() if self.opt is not None else None,
             "schedule": self.schedule.state_dict(),
             "model": weights,
