@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -141,10 +143,10 @@ def _assert_same_weights(expected: dict[str, torch.Tensor], weights: dict[str, t
         assert torch.equal(w, weights[name]), name
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
-def test_state_dict_copies_the_device_state_to_the_host_and_takes_no_device_memory(precision) -> None:
-    # The plan leaves no device room for a checkpoint (it goes to more resident layers): state_dict() must
-    # allocate nothing on the GPU, and its host copies must continue the same run once loaded back.
+def _checkpoint_round_trip(precision: str, save: Callable[[offload_ext.Offloader], Any],
+                           load: Callable[[offload_ext.Offloader, Any], None]) -> Any:
+    """Train two steps on the GPU, checkpoint with `save` (asserting it allocates nothing on the device), train
+    two more; then a fresh Offloader restored by `load` must train those two the same. Returns what save gave."""
     base, data = small_llama(), repeating_batches(4)
     kw = dict(lr=1e-3, precision=precision, backend="native", device="cuda", resident_layers=1)
     model = copy.deepcopy(base)
@@ -153,42 +155,35 @@ def test_state_dict_copies_the_device_state_to_the_host_and_takes_no_device_memo
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    saved = off.state_dict()
+    saved = save(off)
     assert torch.cuda.max_memory_allocated() == before
-    moments = [t for entry in saved["outer"]["optimizer"]["state"].values() for t in entry.values()
-               if isinstance(t, torch.Tensor) and t.numel() > 1]
-    assert moments and all(t.device.type == "cpu" for t in moments)
     expected = offloaded_training(off, model, data[2:], device="cuda")
     off.close()
     resumed = copy.deepcopy(base)
     off2 = offload_ext.Offloader(resumed, **kw)
-    off2.load_state_dict(saved)
+    load(off2, saved)
     assert offloaded_training(off2, resumed, data[2:], device="cuda") == expected
     off2.close()
+    return saved
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_state_dict_copies_the_device_state_to_the_host_and_takes_no_device_memory(precision) -> None:
+    # The plan leaves no device room for a checkpoint (it goes to more resident layers): state_dict() must
+    # allocate nothing on the GPU, and its host copies must continue the same run once loaded back.
+    saved = _checkpoint_round_trip(precision, lambda off: off.state_dict(), lambda off, s: off.load_state_dict(s))
+    moments = [t for entry in saved["outer"]["optimizer"]["state"].values() for t in entry.values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert moments and all(t.device.type == "cpu" for t in moments)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 def test_save_state_streams_the_device_state_without_device_memory_and_load_state_continues_the_run(
         tmp_path, precision) -> None:
-    # save_state copies the device optimizer's tensors out one at a time (no GPU allocation) and load_state reads
-    # them back into CUDA tensors through one staged tensor; the run goes on as if never stopped.
-    base, data = small_llama(), repeating_batches(4)
-    kw = dict(lr=1e-3, precision=precision, backend="native", device="cuda", resident_layers=1)
-    model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, **kw)
-    offloaded_training(off, model, data[:2], device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    off.save_state(str(tmp_path))
-    assert torch.cuda.max_memory_allocated() == before
-    expected = offloaded_training(off, model, data[2:], device="cuda")
-    off.close()
-    resumed = copy.deepcopy(base)
-    off2 = offload_ext.Offloader(resumed, **kw)
-    off2.load_state(str(tmp_path))
-    assert offloaded_training(off2, resumed, data[2:], device="cuda") == expected
-    off2.close()
+    # save_state copies the device optimizer's tensors out one at a time and load_state reads them back into
+    # CUDA tensors through one staged tensor.
+    _checkpoint_round_trip(precision, lambda off: off.save_state(str(tmp_path)),
+                           lambda off, _: off.load_state(str(tmp_path)))
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
