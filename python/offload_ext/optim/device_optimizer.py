@@ -155,10 +155,10 @@ class DeviceOptimizer:
         """The shape a saved tensor must have here, None where this optimizer has no such tensor."""
         if name in live:
             return tuple(live[name].shape)
-        head, i, _ = (name.split(".", 2) + ["", ""])[:3]
-        if head != "optimizer" or not i.isdigit() or int(i) >= len(stepped):
+        parts = name.split(".")  # optimizer.<index>.<state key>
+        if len(parts) != 3 or parts[0] != "optimizer" or not parts[1].isdigit() or int(parts[1]) >= len(stepped):
             return None
-        return tuple(stepped[int(i)].shape)
+        return tuple(stepped[int(parts[1])].shape)
 
 
 def _on_host(state: dict[str, Any]) -> dict[str, Any]:
