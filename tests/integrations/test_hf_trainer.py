@@ -104,6 +104,44 @@ def test_offload_trainer_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
     resumed_trainer.offloader.close()
 
 
+def _checkpoints_2_and_4_the_last_cut_short(out) -> list[dict]:
+    """A run saving at steps 2 and 4, then killed in checkpoint-4's save before Trainer's last file: its losses."""
+    whole, trainer = _run(OffloadTrainer, tiny_llama(layers=3).bfloat16(),
+                          _args(out, max_grad_norm=1.0, save_strategy="steps", save_steps=2))
+    trainer.offloader.close()
+    (out / "checkpoint-4" / "trainer_state.json").unlink()
+    return whole
+
+
+def test_resume_true_continues_from_the_newest_whole_checkpoint_and_names_the_one_cut_short(tmp_path, caplog) -> None:
+    import logging
+
+    whole = _checkpoints_2_and_4_the_last_cut_short(tmp_path / "a")
+    trainer = OffloadTrainer(model=tiny_llama(layers=3).bfloat16(), args=_args(tmp_path / "a", max_grad_norm=1.0),
+                             train_dataset=_Tokens())
+    with caplog.at_level(logging.WARNING, logger="offload_ext.integrations.trainer_checkpoints"):
+        trainer.train(resume_from_checkpoint=True)
+    told = [r.getMessage() for r in caplog.records if r.name == "offload_ext.integrations.trainer_checkpoints"]
+    assert told == [f"OffloadTrainer: not resuming from {tmp_path / 'a' / 'checkpoint-4'}: it has no "
+                    "trainer_state.json, the file Trainer writes last: its save was interrupted"]
+    resumed = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > 2]
+    assert resumed == [h["loss"] for h in whole if h["step"] > 2]  # steps 3 and 4 again, from checkpoint-2
+    trainer.offloader.close()
+
+
+def test_a_checkpoint_cut_short_is_refused_naming_the_newest_whole_one(tmp_path) -> None:
+    _checkpoints_2_and_4_the_last_cut_short(tmp_path / "a")
+    torn, whole = tmp_path / "a" / "checkpoint-4", tmp_path / "a" / "checkpoint-2"
+    trainer = OffloadTrainer(model=tiny_llama(layers=3).bfloat16(), args=_args(tmp_path / "b"),
+                             train_dataset=_Tokens())
+    with pytest.raises(ValueError) as refused:
+        trainer.train(resume_from_checkpoint=str(torn))
+    assert str(refused.value) == (f"OffloadTrainer: resume_from_checkpoint={str(torn)!r}: it has no "
+                                  "trainer_state.json, the file Trainer writes last: its save was interrupted; use "
+                                  f"resume_from_checkpoint={str(whole)!r}, the newest whole one")
+    trainer.offloader.close()
+
+
 def test_what_the_offloader_cannot_honour_is_refused(tmp_path) -> None:
     model = tiny_llama(layers=2).bfloat16()
     with pytest.raises(ValueError, match="optim='adamw_torch'"):

@@ -32,6 +32,7 @@ _CONSTRUCTOR_ARGS = ("lr", "betas", "eps", "weight_decay", "groups", "no_decay",
 # parameters and state), engine_state.pt (the rest, no tensors).
 _STATE_STEM = "engine_state"
 _DEVICE_STEM = "engine_device"
+STATE_FILE = _STATE_STEM + ".pt"  # written last: a directory with it holds a whole state
 
 
 class StateIO:
@@ -68,7 +69,7 @@ class StateIO:
         self._settle()
         write_safetensors(path, host_sources(self._host), stem=_STATE_STEM)
         write_safetensors(path, self._device_opt.tensor_sources(), stem=_DEVICE_STEM)
-        small = os.path.join(path, _STATE_STEM + ".pt")
+        small = os.path.join(path, STATE_FILE)
         torch.save(self._small_state(self._device_opt.skeleton()), small + ".partial")
         os.replace(small + ".partial", small)
 
@@ -79,7 +80,7 @@ class StateIO:
         self._check_open()
         self._settle()
         # weights_only: a state file is data; unpickling arbitrary objects from it could run code.
-        state = torch.load(os.path.join(path, _STATE_STEM + ".pt"), weights_only=True)
+        state = torch.load(os.path.join(path, STATE_FILE), weights_only=True)
         self._check_small_state(state)
         device = SafetensorsCheckpoint(path, stem=_DEVICE_STEM) if state["outer"].get("streamed") else None
         if device is not None:

@@ -3,13 +3,15 @@ OffloadTrainerMixin gives any Trainer subclass the same (`class SFT(OffloadTrain
 
 The Offloader is the Trainer's optimizer: built from TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon,
 weight_decay with the usual no-decay names, gradient_accumulation_steps, max_grad_norm) and an optional
-OffloadConfig. Trainer's own backward (`accelerator.backward(loss)`, a plain loss.backward()) drives it. Three of
+OffloadConfig. Trainer's own backward (`accelerator.backward(loss)`, a plain loss.backward()) drives it. Four of
 Trainer's steps change, each for a reason the Offloader owns:
 - clipping: the streamed layers' gradients are consumed in backward, so Trainer's clip_grad_norm_ would see a
   part of them; the Offloader clips by the global norm in step(), and that norm is what `grad_norm` logs;
 - checkpoints: the weights are written from where they live (Offloader.save_pretrained), the optimizer state with
   save_state/load_state (the host buffers never copied whole into memory), and resume_from_checkpoint reads both;
-- device placement: the Offloader placed the model; Trainer must not move it.
+- device placement: the Offloader placed the model; Trainer must not move it;
+- resuming: only from a checkpoint whose save finished (a run killed mid-save leaves a directory Trainer would
+  pick); `resume_from_checkpoint=True` takes the newest whole one.
 On a GPU the layout (resident layers, device buffers) is chosen from the memory plan of a micro-batch, as
 offload-train's default `auto` chooses it, unless offload_config names one.
 """
@@ -26,6 +28,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from offload_ext.config import OffloadConfig
 from offload_ext.engine.offloader import Offloader
+from offload_ext.integrations.trainer_checkpoints import resume_target
 from offload_ext.planning.auto_layout import LayoutChoice, leaves_layout, planned_layout
 from offload_ext.planning.choices import Settings
 from offload_ext.planning.memory import Machine
@@ -60,6 +63,10 @@ class OffloadTrainerMixin:
         self.offloader = _offloader(model, args, config)
         kwargs["optimizers"] = (self.offloader, kwargs.get("optimizers", (None, None))[1])
         super().__init__(model, args, *trainer_args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train, resuming only from a checkpoint whose save finished (trainer_checkpoints.resume_target)."""
+        return super().train(resume_target(self.args.output_dir, resume_from_checkpoint), *args, **kwargs)
 
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         pass  # the Offloader put each part where it lives
