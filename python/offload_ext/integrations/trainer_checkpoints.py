@@ -30,7 +30,8 @@ def cut_short(checkpoint: str) -> str | None:
     except json.JSONDecodeError:
         return f"its {TRAINER_STATE_NAME} is cut short: its save was interrupted"
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        return f"it has no {STATE_FILE}, the Offloader's state (saved with save_only_model=True?)"
+        return (f"it has no {STATE_FILE}, the Offloader's state (a checkpoint of another Trainer, or one saved with "
+                "save_only_model=True)")
     return None
 
 
