@@ -142,6 +142,17 @@ def test_a_checkpoint_cut_short_is_refused_naming_the_newest_whole_one(tmp_path)
     trainer.offloader.close()
 
 
+def test_with_no_whole_checkpoint_a_resume_is_refused_saying_to_start_afresh(tmp_path) -> None:
+    from offload_ext.integrations.trainer_checkpoints import resume_target
+
+    (tmp_path / "checkpoint-3").mkdir()  # killed before any file of its save landed
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True: no whole checkpoint in .*; start without"):
+        resume_target(str(tmp_path), True)
+    with pytest.raises(ValueError, match=r"its save was interrupted; no whole checkpoint is beside it: start without"):
+        resume_target(str(tmp_path), str(tmp_path / "checkpoint-3"))
+    assert resume_target(str(tmp_path), None) is None and resume_target(str(tmp_path), False) is None
+
+
 def test_what_the_offloader_cannot_honour_is_refused(tmp_path) -> None:
     model = tiny_llama(layers=2).bfloat16()
     with pytest.raises(ValueError, match="optim='adamw_torch'"):

@@ -46,8 +46,9 @@ def resume_target(output_dir: str, resume: str | bool | None) -> str | None:
         if why is not None:
             parent = os.path.dirname(os.path.abspath(str(resume)))
             previous = next((path for path, cut in _by_step(parent) if cut is None), None)
-            fix = f"resume_from_checkpoint={previous!r}, the newest whole one" if previous else "start afresh"
-            raise ValueError(f"OffloadTrainer: resume_from_checkpoint={str(resume)!r}: {why}; use {fix}")
+            fix = (f"use resume_from_checkpoint={previous!r}, the newest whole one" if previous else
+                   "no whole checkpoint is beside it: start without resume_from_checkpoint")
+            raise ValueError(f"OffloadTrainer: resume_from_checkpoint={str(resume)!r}: {why}; {fix}")
         return str(resume)
     for path, why in _by_step(output_dir):
         if why is None:
