@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -58,9 +59,10 @@ def resume_target(output_dir: str, resume: str | bool | None) -> str | None:
                      "start without resume_from_checkpoint")
 
 
-def _by_step(output_dir: str) -> list[tuple[str, str | None]]:
-    """Each checkpoint-N directory in `output_dir`, newest first, with why it is cut short (None: whole)."""
+def _by_step(output_dir: str) -> Iterator[tuple[str, str | None]]:
+    """Each checkpoint-N directory in `output_dir`, newest first, with why it is cut short (None: whole), each
+    looked into only when the caller gets that far."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     steps = sorted(((int(m.group(1)), os.path.join(output_dir, n)) for n in names if (m := _STEP.match(n))),
                    reverse=True)
-    return [(path, cut_short(path)) for _, path in steps if os.path.isdir(path)]
+    return ((path, cut_short(path)) for _, path in steps if os.path.isdir(path))

@@ -92,7 +92,7 @@ class _ConverterRun:
     def take(self, target: str) -> torch.Tensor:
         with self._lock:
             if self._values is None:
-                self._values = self._run(functools.partial(_read, self.checkpoint))
+                self._values = self._run(self.checkpoint.read)
             return self._values.pop(target)
 
 
@@ -129,12 +129,6 @@ def conversion_plan(checkpoint: SafetensorsCheckpoint, model: nn.Module) -> dict
                 plan[renamed.replace(first, target, 1)] = _Converted(run, renamed.replace(first, target, 1))
         plan[renamed].group.sources.append((key, pattern, entry))
     return plan
-
-
-def _read(checkpoint: SafetensorsCheckpoint, entry: TensorEntry) -> torch.Tensor:
-    out = torch.empty(entry.shape, dtype=entry.dtype)
-    checkpoint.read_into(entry, out)
-    return out
 
 
 def _on_meta(entry: TensorEntry) -> torch.Tensor:

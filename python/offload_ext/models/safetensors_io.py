@@ -162,6 +162,20 @@ class SafetensorsCheckpoint:
         raise KeyError(f"{self.path}: no tensor for the model's parameter {' / '.join(names)} (the checkpoint "
                        f"has {len(self.entries)} tensors, e.g. {', '.join(sorted(self.entries)[:3])})")
 
+    def read(self, entry: TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The entry's values as a new CPU tensor of its shape, in `dtype` (default: the file's)."""
+        out = torch.empty(entry.shape, dtype=dtype or entry.dtype)
+        self.read_into(entry, out)
+        return out
+
+    def copy_into(self, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Fill dst, on any device, with the entry's values: read straight in where dst is a contiguous CPU tensor,
+        else through a CPU copy of this one tensor."""
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            self.read_into(entry, dst)
+        else:
+            dst.copy_(self.read(entry, dst.dtype))
+
     def read_into(self, entry: TensorEntry, dst: torch.Tensor) -> None:
         """Fill a contiguous CPU tensor of the entry's size with its values, converted to dst's dtype
         (rounding as torch's .to() does)."""

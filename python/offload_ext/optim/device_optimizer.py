@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ext.models.safetensors_io import SafetensorsCheckpoint, TensorEntry, TensorSource
+from offload_ext.models.safetensors_io import SafetensorsCheckpoint, TensorSource
 from offload_ext.optim.cpu_adamw import StochasticAdamW
 from offload_ext.optim.stochastic_rounding import DEVICE_STREAMS
 
@@ -123,7 +123,7 @@ class DeviceOptimizer:
         optimizer's state, a tensor at a time."""
         with torch.no_grad():
             for name, t in self._named_tensors(with_optimizer=False):
-                _read_to(checkpoint, checkpoint.entries[name], t)
+                checkpoint.copy_into(checkpoint.entries[name], t)
         if self.opt is None or skeleton["optimizer"] is None:
             return
         stepped = self._stepped()
@@ -134,7 +134,7 @@ class DeviceOptimizer:
                 # A scalar (the step count) stays on the CPU: torch's load_state_dict moves it where its rule says.
                 device = stepped[int(i)].device if entry.shape else torch.device("cpu")
                 value = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-                _read_to(checkpoint, entry, value)
+                checkpoint.copy_into(entry, value)
                 state.setdefault(int(i), {})[key] = value
         self.opt.load_state_dict({"state": state, "param_groups": skeleton["optimizer"]["param_groups"]})
 
@@ -167,13 +167,3 @@ def _on_host(state: dict[str, Any]) -> dict[str, Any]:
                      for k, v in entries.items()} for i, entries in state["state"].items()}
     return {"state": per_param, "param_groups": copy.deepcopy(state["param_groups"])}
 
-
-def _read_to(checkpoint: SafetensorsCheckpoint, entry: TensorEntry, dst: torch.Tensor) -> None:
-    """Fill dst (on any device) with a saved tensor's values, through a CPU copy of that one tensor where dst is
-    not a contiguous CPU tensor itself."""
-    if dst.device.type == "cpu" and dst.is_contiguous():
-        checkpoint.read_into(entry, dst)
-        return
-    staged = torch.empty(entry.shape, dtype=dst.dtype)
-    checkpoint.read_into(entry, staged)
-    dst.copy_(staged)
