@@ -13,6 +13,7 @@ before, all on a page boundary, and half the units' speculative steps took 1.8x 
     python benchmarks/bench_host_passes.py --numel 4e6 --units 4 --skew 0,576
     python benchmarks/bench_host_passes.py --passes scale_step,redo --one-pass   # the steps after the norm whole
     python benchmarks/bench_host_passes.py --precision bf16-8bit --skew 0          # 8-bit moments
+    python benchmarks/bench_host_passes.py --prefetch 512:l1,2048:l2,512:l1,2048:l2  # prefetch settings in turns
 
 `--precision bf16-8bit`: the moments as uint8 codes with an absmax per block (the skews move the bf16 buffers).
 """
@@ -66,6 +67,9 @@ def parse() -> argparse.Namespace:
                     help="a step after the norm in one pass (params_first=False) instead of params, then moments")
     ap.add_argument("--precision", choices=("bf16", "bf16-8bit"), default="bf16",
                     help="the units' state: bf16 moments, or 8-bit ones (codes and a per-block absmax)")
+    ap.add_argument("--prefetch", default=None,
+                    help="comma-separated kernel prefetch settings, each DISTANCE[:LEVEL] (elements; l1, l2 or nta), "
+                         "measured in the order given (a setting may repeat); default: the current one")
     ap.add_argument("--stem", default="host_passes")
     return ap.parse_args()
 
@@ -177,9 +181,25 @@ def summary(label: str, per_unit: dict[int, list[float]], skew: int, pool: str, 
             "median_odd_ms": odd, "ms_per_16M": statistics.median(med.values()) * (1 << 24) / numel}
 
 
+def prefetch_settings(spec: str | None) -> list[tuple[int, str]]:
+    """(distance, level) of each --prefetch setting; the kernel's current one without the flag."""
+    distance, _, level = native().memory_tuning()
+    if spec is None:
+        return [(distance, level)]
+    settings = []
+    for item in spec.split(","):
+        dist, _, lvl = item.partition(":")
+        if not dist.isdigit() or lvl not in ("", "l1", "l2", "nta"):
+            raise SystemExit(f"--prefetch: expected DISTANCE[:LEVEL] items (level l1, l2 or nta), got {item!r}")
+        settings.append((int(dist), lvl or level))
+    return settings
+
+
 def main() -> None:
     a = parse()
     threads = a.threads or default_engine_threads()
+    settings = prefetch_settings(a.prefetch)
+    stream_out = native().memory_tuning()[1]
     rows = []
     skews = [int(s) for s in a.skew.split(",")]
     if any(s % 64 for s in skews):
@@ -188,18 +208,22 @@ def main() -> None:
     if not set(names) <= set(PASSES) or not set(pools) <= {"host", "pinned"}:
         raise SystemExit(f"--passes: expected some of {', '.join(PASSES)}; --state-pool: host and/or pinned; "
                          f"got {a.passes!r} and {a.state_pool!r}")
-    for pool, skew, name in ((p, k, n) for p in pools for k in skews for n in names):
+    for pool, skew, name, (dist, level) in ((p, k, n, s) for p in pools for k in skews for n in names
+                                            for s in settings):
+        native().set_memory_tuning(dist, stream_out, level)
         for row in measure(a, name, skew, pool, threads):
-            print(f"  {row['pass']:20s} {pool:6s} skew {skew:4d} B  even {row['median_even_ms']:6.2f} ms  odd "
+            row["prefetch"] = f"{dist}:{level}"
+            print(f"  {row['pass']:20s} {pool:6s} skew {skew:4d} B  prefetch {row['prefetch']:>8s}  even "
+                  f"{row['median_even_ms']:6.2f} ms  odd "
                   f"{row['median_odd_ms']:6.2f} ms  per 16M {row['ms_per_16M']:5.2f} ms  "
                   f"units {' '.join(f'{t:.1f}' for t in row['ms_per_unit'].values())}", flush=True)
             rows.append(row)
     md = [f"{a.units} units of {int(a.numel)} elements ({a.precision}), {threads} threads, {a.steps} timed steps, "
           f"device {a.device}, steps after the norm {'in one pass' if a.one_pass else 'params, then moments'}\n",
-          "| pass | state pool | skew (B) | even units (ms) | odd units (ms) | ms per 16M elements |",
-          "|---|---|---:|---:|---:|---:|"]
-    md += [f"| {r['pass']} | {r['state_pool']} | {r['skew']} | {r['median_even_ms']:.2f} | {r['median_odd_ms']:.2f} | "
-           f"{r['ms_per_16M']:.2f} |" for r in rows]
+          "| pass | state pool | skew (B) | prefetch | even units (ms) | odd units (ms) | ms per 16M elements |",
+          "|---|---|---:|---|---:|---:|---:|"]
+    md += [f"| {r['pass']} | {r['state_pool']} | {r['skew']} | {r['prefetch']} | {r['median_even_ms']:.2f} | "
+           f"{r['median_odd_ms']:.2f} | {r['ms_per_16M']:.2f} |" for r in rows]
     for path in _common.write_results(a.stem, {"threads": threads, "numel": int(a.numel), "units": a.units,
                                                  "device": a.device, "one_pass": a.one_pass, "precision": a.precision,
                                                  "rows": rows},

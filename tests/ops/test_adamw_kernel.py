@@ -3,6 +3,9 @@ stochastic rounding ("bf16-sr") it equals the torch-op reference bit for bit, on
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -131,10 +134,31 @@ def test_memory_tuning_never_changes_results() -> None:
     native = offload_ext.ops.native()
     native.set_memory_tuning(0, False)
     plain = _run_modes(100_003)
-    native.set_memory_tuning(256, True)
-    tuned = _run_modes(100_003)
-    for a, b in zip(plain, tuned):
-        assert torch.equal(a, b)
+    for level in ("l1", "l2", "nta"):
+        native.set_memory_tuning(256, True, level)
+        assert native.memory_tuning() == (256, True, level)
+        tuned = _run_modes(100_003)
+        for a, b in zip(plain, tuned):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("restore_kernel_settings")
+def test_memory_tuning_refuses_an_unknown_prefetch_level_and_keeps_the_current_one() -> None:
+    native = offload_ext.ops.native()
+    native.set_memory_tuning(512, True, "l2")
+    with pytest.raises(ValueError, match="prefetch level must be one of l1, l2, nta; got 'l3'"):
+        native.set_memory_tuning(512, True, "l3")
+    native.set_memory_tuning(1024, False)  # no level: the current one stays
+    assert native.memory_tuning() == (1024, False, "l2")
+
+
+def test_a_bad_prefetch_level_in_the_environment_raises_at_first_use_not_at_import() -> None:
+    code = ("import offload_ext, offload_ext.ops\n"
+            "try:\n    offload_ext.ops.native().memory_tuning()\nexcept ValueError as e:\n    print('raised:', e)")
+    env = {**os.environ, "OFFLOAD_EXT_PREFETCH_LEVEL": "L2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised: prefetch level must be one of l1, l2, nta; got 'L2'" in out.stdout
 
 
 # The reference: the rule in torch ops alone (adamw_step_sr's stores through the extension's op otherwise).

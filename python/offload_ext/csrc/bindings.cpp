@@ -135,13 +135,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         offload_ext::set_simd_level(offload_ext::parse_simd_level(name.c_str()));
       }, "Choose the kernels' ISA (scalar, avx2, avx512); at most what the CPU supports.");
   m.def("supported_simd_level", [] { return offload_ext::simd_level_name(offload_ext::supported_simd_level()); });
-  m.def("set_memory_tuning", [](int64_t prefetch, bool stream_out) {
-        offload_ext::set_memory_tuning({prefetch, stream_out});
-      }, py::arg("prefetch"), py::arg("stream_out"),
-      "Kernel memory tuning: software-prefetch distance in elements (0 = off) and non-temporal bf16 output.");
+  m.def("set_memory_tuning", [](int64_t prefetch, bool stream_out, std::optional<std::string> prefetch_level) {
+        const auto level = prefetch_level ? offload_ext::parse_prefetch_level(prefetch_level->c_str())
+                                          : offload_ext::memory_tuning().prefetch_level;
+        offload_ext::set_memory_tuning({prefetch, stream_out, level});
+      }, py::arg("prefetch"), py::arg("stream_out"), py::arg("prefetch_level") = py::none(),
+      "Kernel memory tuning: software-prefetch distance in elements (0 = off), non-temporal bf16 output, and the "
+      "cache the prefetches fill (l1, l2, nta; None keeps the current one).");
   m.def("memory_tuning", [] {
     const auto t = offload_ext::memory_tuning();
-    return py::make_tuple(t.prefetch, t.stream_out);
+    return py::make_tuple(t.prefetch, t.stream_out, offload_ext::prefetch_level_name(t.prefetch_level));
   });
   m.def("set_thread_start_failure", &offload_ext::set_thread_start_failure, py::arg("started"),
         "Testing aid: every thread pool created from now on fails to start its worker `started` (0-based), as "

@@ -95,14 +95,47 @@ int64_t env_int(const char* name, int64_t fallback) {
 // 512 elements ahead (1-2 KiB a stream) measured best on the GPU host: see benchmarks/results/adamw_tune_16t.md.
 std::atomic<int64_t> g_prefetch{env_int("OFFLOAD_EXT_PREFETCH", 512)};
 std::atomic<bool> g_stream_out{env_int("OFFLOAD_EXT_STREAM_OUT", 1) != 0};
+// Read at first use, not at load, so that a bad OFFLOAD_EXT_PREFETCH_LEVEL raises instead of aborting the import.
+std::atomic<int> g_prefetch_level{-1};
+
+PrefetchLevel initial_prefetch_level() {
+  const char* env = std::getenv("OFFLOAD_EXT_PREFETCH_LEVEL");
+  return (env && *env) ? parse_prefetch_level(env) : PrefetchLevel::kL1;
+}
 }  // namespace
 
-MemoryTuning memory_tuning() { return {g_prefetch.load(), g_stream_out.load()}; }
+PrefetchLevel parse_prefetch_level(const char* name) {
+  if (std::strcmp(name, "l1") == 0) return PrefetchLevel::kL1;
+  if (std::strcmp(name, "l2") == 0) return PrefetchLevel::kL2;
+  if (std::strcmp(name, "nta") == 0) return PrefetchLevel::kNTA;
+  throw std::invalid_argument(std::string("prefetch level must be one of l1, l2, nta; got '") + name + "'");
+}
+
+const char* prefetch_level_name(PrefetchLevel level) {
+  switch (level) {
+    case PrefetchLevel::kL2:
+      return "l2";
+    case PrefetchLevel::kNTA:
+      return "nta";
+    default:
+      return "l1";
+  }
+}
+
+MemoryTuning memory_tuning() {
+  int level = g_prefetch_level.load();
+  if (level < 0) {
+    g_prefetch_level.compare_exchange_strong(level, static_cast<int>(initial_prefetch_level()));
+    level = g_prefetch_level.load();
+  }
+  return {g_prefetch.load(), g_stream_out.load(), static_cast<PrefetchLevel>(level)};
+}
 
 void set_memory_tuning(const MemoryTuning& t) {
   if (t.prefetch < 0) throw std::invalid_argument("prefetch distance must be >= 0 elements");
   g_prefetch.store(t.prefetch);
   g_stream_out.store(t.stream_out);
+  g_prefetch_level.store(static_cast<int>(t.prefetch_level));
 }
 
 void set_simd_level(SimdLevel level) {
@@ -145,6 +178,7 @@ AdamWCoef make_coef(const AdamWHyper& h) {
   const MemoryTuning tuning = memory_tuning();
   c.prefetch = tuning.prefetch;
   c.stream_out = tuning.stream_out;
+  c.prefetch_level = static_cast<int>(tuning.prefetch_level);
   return c;
 }
 

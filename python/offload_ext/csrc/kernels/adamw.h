@@ -44,10 +44,11 @@ struct AdamWCoef {
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
-  // Memory tuning, not arithmetic: software-prefetch distance in elements (0 = off), and
-  // whether write-only stores (the bf16 param_out, a pass out of place) may bypass the cache
-  // (non-temporal stores).
+  // Memory tuning, not arithmetic: software-prefetch distance in elements (0 = off), the cache
+  // level it fills (PrefetchLevel), and whether write-only stores (the bf16 param_out, a pass out of
+  // place) may bypass the cache (non-temporal stores).
   int64_t prefetch = 0;
+  int prefetch_level = 0;
   bool stream_out = false;
   // Stochastic rounding of a bf16 pass (stochastic_rounding.h): uint32(K) of the elements of this span,
   // and the low 32 bits of the stream index of its element 0 (the dispatcher cuts spans where the high
@@ -57,12 +58,21 @@ struct AdamWCoef {
   uint32_t sr_index = 0;
 };
 
+// The cache a software prefetch fills, as _mm_prefetch's hints: L1 (T0) holds a line in one of the
+// core's few fill buffers until it lands; L2 (T1) is tracked by the L2's longer queue, so more reads
+// can be in flight per core; NTA fills L1 but not the shared cache.
+enum class PrefetchLevel : int { kL1 = 0, kL2 = 1, kNTA = 2 };
+
 // Memory tuning knobs (process-wide, atomic): see AdamWCoef. Defaults come from
-// OFFLOAD_EXT_PREFETCH (elements) and OFFLOAD_EXT_STREAM_OUT (0/1) when set.
+// OFFLOAD_EXT_PREFETCH (elements), OFFLOAD_EXT_PREFETCH_LEVEL (l1, l2 or nta) and
+// OFFLOAD_EXT_STREAM_OUT (0/1) when set.
 struct MemoryTuning {
   int64_t prefetch;
   bool stream_out;
+  PrefetchLevel prefetch_level = PrefetchLevel::kL1;
 };
+PrefetchLevel parse_prefetch_level(const char* name);
+const char* prefetch_level_name(PrefetchLevel level);
 MemoryTuning memory_tuning();
 void set_memory_tuning(const MemoryTuning& t);
 AdamWCoef make_coef(const AdamWHyper& h);

@@ -29,7 +29,7 @@ struct ScalarVec {
   static void store_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
   static void stream_bf16(uint16_t* p, F x) { *p = bf16_round_bits(x); }
   static void fence() {}
-  static void prefetch(const void*) {}
+  static void prefetch(const void*, int) {}
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
@@ -140,15 +140,16 @@ inline void store_state_bf16(const Bf16Pass& a, int64_t i, typename V::I counter
 template <class V, int kGrad, bool kStream, bool kSR, int kParts>
 inline int64_t bf16_loop(const Bf16Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
+  const int lvl = c.prefetch_level;
   // Stochastic rounding's hash inputs, uint32(index) + uint32(K) (stochastic_rounding.h), counted along.
   auto counter = V::iota(c.sr_key + c.sr_index + static_cast<uint32_t>(i));
   for (; i + V::W <= n; i += V::W, counter = V::iadd(counter, V::iset1(V::W))) {
     if (pf) {
-      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf);
-      V::prefetch(a.grad + i + pf);
-      if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf);
-      V::prefetch(a.exp_avg_in + i + pf);
-      V::prefetch(a.exp_avg_sq_in + i + pf);
+      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf, lvl);
+      V::prefetch(a.grad + i + pf, lvl);
+      if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf, lvl);
+      V::prefetch(a.exp_avg_in + i + pf, lvl);
+      V::prefetch(a.exp_avg_sq_in + i + pf, lvl);
     }
     // The moments never depend on the param: a moments pass does not read it (its update is dead code).
     auto P = stores_param(kParts) ? V::load_bf16(a.param_in + i) : V::set1(0.0f);
@@ -166,18 +167,19 @@ enum OutMode { kNoOut = 0, kStoreOut = 1, kStreamOut = 2 };
 template <class V, bool kGradBF16, int kGrad, int kOut, bool kStream, int kParts>
 inline int64_t fp32_loop(const Fp32Pass& a, int64_t i, int64_t n, const AdamWCoef& c) {
   const int64_t pf = c.prefetch;
+  const int lvl = c.prefetch_level;
   const auto* g16 = static_cast<const uint16_t*>(a.grad);
   const auto* g32 = static_cast<const float*>(a.grad);
   for (; i + V::W <= n; i += V::W) {
     if (pf) {
-      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf);
-      V::prefetch(a.exp_avg_in + i + pf);
-      V::prefetch(a.exp_avg_sq_in + i + pf);
+      if (stores_param(kParts)) V::prefetch(a.param_in + i + pf, lvl);
+      V::prefetch(a.exp_avg_in + i + pf, lvl);
+      V::prefetch(a.exp_avg_sq_in + i + pf, lvl);
       if (kGradBF16) {
-        V::prefetch(g16 + i + pf);
-        if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf);
+        V::prefetch(g16 + i + pf, lvl);
+        if (kGrad == kGradAdd) V::prefetch(a.grad_add + i + pf, lvl);
       } else {
-        V::prefetch(g32 + i + pf);
+        V::prefetch(g32 + i + pf, lvl);
       }
     }
     auto P = stores_param(kParts) ? V::load_f32(a.param_in + i) : V::set1(0.0f);
