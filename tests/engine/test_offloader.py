@@ -255,6 +255,30 @@ def test_save_state_streams_the_device_state_into_its_own_file_and_keeps_no_tens
         assert saved[name].dtype == t.dtype and torch.equal(saved[name], t), name
 
 
+def test_load_state_into_an_offloader_that_has_stepped_reads_into_its_device_moments_in_place(tmp_path) -> None:
+    # The device optimizer's live moments are the load's targets: no second set beside them, and the run goes on
+    # as the saved one.
+    base, data = tiny_llama(layers=3), batches(5)
+    kw = dict(lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu", resident_layers=1)
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:2])
+    off.save_state(str(tmp_path))
+    expected = offloaded_training(off, model, data[2:])
+    off.close()
+    resumed = copy.deepcopy(base)
+    off2 = offload_ext.Offloader(resumed, **kw)
+    offloaded_training(off2, resumed, data[:1])
+    moments = {(id(p), k): t.data_ptr() for p, s in off2._device_opt.opt.state.items() for k, t in s.items()
+               if t.dim() > 0}
+    off2.load_state(str(tmp_path))
+    after = {(id(p), k): t.data_ptr() for p, s in off2._device_opt.opt.state.items() for k, t in s.items()
+             if t.dim() > 0}
+    assert len(moments) > 0 and after == moments
+    assert offloaded_training(off2, resumed, data[2:]) == expected
+    off2.close()
+
+
 def test_load_state_reads_a_directory_whose_small_file_holds_the_device_state(tmp_path) -> None:
     # Directories written before the device's tensors had a file of their own keep loading.
     base, data = tiny_llama(layers=3), batches(5)

@@ -131,12 +131,20 @@ class DeviceOptimizer:
         for name, entry in checkpoint.entries.items():
             if name.startswith("optimizer."):
                 _, i, key = name.split(".", 2)
-                # A scalar (the step count) stays on the CPU: torch's load_state_dict moves it where its rule says.
-                device = stepped[int(i)].device if entry.shape else torch.device("cpu")
-                value = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+                value = self._state_target(stepped[int(i)], key, entry.shape, entry.dtype)
                 checkpoint.copy_into(entry, value)
                 state.setdefault(int(i), {})[key] = value
         self.opt.load_state_dict({"state": state, "param_groups": skeleton["optimizer"]["param_groups"]})
+
+    def _state_target(self, param: torch.Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where a saved optimizer state tensor is read into: the live one when it matches (an optimizer that has
+        stepped keeps its moments, so a load never holds two sets on the device; torch's load_state_dict keeps a
+        tensor already of its parameter's device and dtype), else a new one."""
+        live = self.opt.state.get(param, {}).get(key)
+        if isinstance(live, torch.Tensor) and tuple(live.shape) == shape and live.dtype == dtype and shape:
+            return live
+        # A scalar (the step count) stays on the CPU: torch's load_state_dict moves it where its rule says.
+        return torch.empty(shape, dtype=dtype, device=param.device if shape else torch.device("cpu"))
 
     def _stepped(self) -> list[torch.Tensor]:
         """The tensors the torch optimizer steps, in the order its state_dict numbers them."""
