@@ -69,5 +69,5 @@ cli.main(["--out", {str(tmp_path / "run")!r}, "--device", "cpu"])
                           env=env)
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"offload-train: interrupted before the first complete checkpoint; nothing to resume in {tmp_path / 'run'}: "
-        "start again with --overwrite"]
+        f"offload-train: interrupted; nothing to resume in {tmp_path / 'run'} (no complete checkpoint): start again "
+        "with --overwrite"]

@@ -1,10 +1,13 @@
 """offload-train's checkpoints are whole or refused: a crash at any write boundary of a save resumes exactly
 like the run without one, a torn checkpoint is refused naming its file, a run is never overwritten unasked,
-Ctrl-C says how to continue, and a resume with other flags names the one that differs."""
+Ctrl-C and a checkpoint the system refuses to write say how to continue, and a resume with other flags names the
+one that differs."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -205,3 +208,58 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
     step, path = prior_run.complete_checkpoints(out)[-1]
     assert line[0] == (f"offload-train: interrupted; last complete checkpoint: step {step} ({path}); continue "
                        f"with: offload-train {' '.join(argv)} --resume")
+
+
+def _file_size_limit(limit: int):
+    """For a child process: files it writes may not pass `limit` bytes (a write past it fails with EFBIG, as a full
+    disk's fails with ENOSPC), the signal that would kill it ignored."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
+
+
+def _run_limited(argv: list[str], limit: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
+    return subprocess.run([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=_file_size_limit(limit))
+
+
+# Under the limit: the corpus's tokens (3.1 MB) are written before it, by the run that made --out; past it: the
+# engine's host state of a checkpoint (1.1 MB), so every save of the limited run fails.
+LIMIT = 800_000
+
+
+def test_a_checkpoint_the_system_cannot_write_stops_the_run_with_one_line_and_its_continuation_trains_exactly(
+        tmp_path, straight) -> None:
+    out = str(tmp_path / "run")
+    train.run(train.parse_args(["--out", out, *RUN, "--stop-after", "2"]))
+    argv = ["--out", out, *RUN, "--resume"]
+    done = _run_limited(argv, LIMIT)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    line = [x for x in done.stderr.splitlines() if x.startswith("offload-train: stopped")]
+    assert len(line) == 1, done.stderr
+    (_, path), = [c for c in prior_run.complete_checkpoints(out) if c[0] == 2]
+    assert [s for s, _ in prior_run.complete_checkpoints(out)] == [1, 2]
+    assert not os.path.exists(run_dir.partial_path(out, 3))  # the room it took is given back
+    size = sum(f["size"] for f in json.load(open(os.path.join(path, "manifest.json")))["files"].values()) / 1e9
+    command = f"offload-train --out {out} {' '.join(RUN)}"
+    assert re.fullmatch(
+        r"offload-train: stopped at step 3: its checkpoint could not be written \(\[Errno 27\] File too large.*\); "
+        r"its partial files were removed; last complete checkpoint: step 2 \(" + re.escape(path) + r"\); make room "
+        r"at --out \(each checkpoint here takes " + re.escape(f"{size:.2f}") + r" GB, --keep-checkpoints 2 of them "
+        r"are kept\), then continue with: " + re.escape(f"{command} --resume"), line[0]), line[0]
+    train.main(command.split()[1:] + ["--resume"])
+    assert _losses(out) == straight
+
+
+def test_a_first_checkpoint_the_system_cannot_write_says_there_is_nothing_to_resume(tmp_path) -> None:
+    out = tmp_path / "run"
+    train.run(train.parse_args(["--out", str(out), *RUN, "--stop-after", "1"]))  # the corpus's tokens written
+    done = _run_limited(["--out", str(out), *RUN, "--overwrite"], LIMIT)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        f"its partial files were removed; nothing to resume in {out} (no complete checkpoint): make room at --out "
+        "(--keep-checkpoints 2 of them are kept), then start again with --overwrite")
+    assert prior_run.complete_checkpoints(str(out)) == []

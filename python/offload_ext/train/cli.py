@@ -26,7 +26,7 @@ from offload_ext.planning.plan import machine, plan
 from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import checkpoint_manifest, errors, interrupt, prior_run
 from offload_ext.train import data as data_mod
-from offload_ext.train.errors import UsageError
+from offload_ext.train.errors import CheckpointWriteError, UsageError
 from offload_ext.train.flags import parse_args, run_flags, train_config
 from offload_ext.train.gpu_warmup import GpuWarmup
 from offload_ext.train.inputs import check_inputs
@@ -297,15 +297,39 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
 
 def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
     """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
+    return _continue_message(args, argv, "interrupted", "")
+
+
+def write_failed_message(args: argparse.Namespace, argv: list[str], exc: CheckpointWriteError) -> str:
+    """The one line of a run stopped by a checkpoint it could not write: why, and how to go on once there is room."""
     complete = prior_run.complete_checkpoints(args.out)
-    if complete:
-        last = "last complete checkpoint: step {} ({})".format(*complete[-1])
-    else:
-        return (f"offload-train: interrupted before the first complete checkpoint; nothing to resume in {args.out}: "
-                "start again with --overwrite")
+    size = _checkpoint_gb(complete[-1][1]) if complete else None
+    room = f"each checkpoint here takes {size:.2f} GB, " if size is not None else ""
+    return _continue_message(args, argv, f"stopped at step {exc.step}: its checkpoint could not be written ({exc}); "
+                             "its partial files were removed", f"make room at --out ({room}--keep-checkpoints "
+                             f"{args.keep_checkpoints} of them are kept), then ")
+
+
+def _continue_message(args: argparse.Namespace, argv: list[str], what: str, before: str) -> str:
+    """`what` happened; the last complete checkpoint and the command that continues from it (`before` it: what to
+    do first), or that there is none."""
+    complete = prior_run.complete_checkpoints(args.out)
+    if not complete:
+        return (f"offload-train: {what}; nothing to resume in {args.out} (no complete checkpoint): {before}start "
+                "again with --overwrite")
+    last = "last complete checkpoint: step {} ({})".format(*complete[-1])
     kept = [a for k, a in enumerate(argv) if not _is_resume_or_overwrite(argv, k)]
     command = shlex.join(["offload-train", *kept, "--resume"])
-    return f"offload-train: interrupted; {last}; continue with: {command}"
+    return f"offload-train: {what}; {last}; {before}continue with: {command}"
+
+
+def _checkpoint_gb(path: str) -> float | None:
+    """A complete checkpoint's size from its manifest (None where it cannot be read)."""
+    try:
+        files = checkpoint_manifest.read_manifest(path)["files"]
+        return sum(int(f["size"]) for f in files.values()) / 1e9
+    except (errors.CheckpointError, AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _is_resume_or_overwrite(argv: list[str], k: int) -> bool:
@@ -342,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
         if fresh_out and prior_run.existing_run(args.out) is None:  # never a run's metrics or checkpoints
             shutil.rmtree(args.out, ignore_errors=True)
         _refuse(exc, args.debug)
+    except CheckpointWriteError as exc:
+        print(write_failed_message(args, sys.argv[1:] if argv is None else list(argv), exc), file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         # No traceback: a checkpoint being written when the key came stays a .partial directory, never read.
         print("\n" + interrupted_message(args, sys.argv[1:] if argv is None else list(argv)), file=sys.stderr,

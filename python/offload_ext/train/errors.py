@@ -9,3 +9,12 @@ class UsageError(Exception):
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be resumed from; the message is one line naming the file and the fix."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint that could not be written (a full disk, a file over the size limit): the run stops there, its
+    partial files removed; the message is the operating system's reason."""
+
+    def __init__(self, step: int, reason: OSError) -> None:
+        super().__init__(str(reason))
+        self.step = step

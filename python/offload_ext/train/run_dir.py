@@ -64,6 +64,11 @@ def begin(out: str, step: int) -> str:
     return partial
 
 
+def abandon(out: str, step: int) -> None:
+    """Remove what a failed save of checkpoint `step` left in `step-N.partial/` (a full disk gets its room back)."""
+    shutil.rmtree(partial_path(out, step), ignore_errors=True)
+
+
 def commit(out: str, partial: str, step: int, args: dict[str, Any], keep: int) -> str:
     """Seal `partial` as complete checkpoint `step`: fsync its files, write the manifest last, rename the
     directory into place, point `latest` at it, then delete all but the newest `keep` complete ones."""

@@ -20,7 +20,7 @@ from offload_ext.train import checkpoint_manifest, run_dir
 from offload_ext.train import data as data_mod
 from offload_ext.train.chat import ChatBatch
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.errors import UsageError
+from offload_ext.train.errors import CheckpointWriteError, UsageError
 
 
 def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str, last: bool = False) -> None:
@@ -145,7 +145,15 @@ class Trainer:
 
     def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         """Checkpoint `step` as one unit (offload_ext.train.run_dir): written into a fresh step directory, sealed by
-        its manifest; the path of the complete checkpoint."""
+        its manifest; the path of the complete checkpoint. A write the system refuses (a full disk) raises
+        CheckpointWriteError once the partial directory is removed: the complete checkpoints before it stand."""
+        try:
+            return self._save(step, stream, tokenizer)
+        except OSError as exc:
+            run_dir.abandon(self.config.out, step)
+            raise CheckpointWriteError(step, exc) from exc
+
+    def _save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         ckpt = run_dir.begin(self.config.out, step)
         weights = None
         if self.off is not None and self.config.adapter_only:  # the adapter alone, as peft saves it
