@@ -5,6 +5,7 @@ import copy
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -200,18 +201,28 @@ def test_state_dict_round_trip_continues_the_same_run(backend) -> None:
     off2.close()
 
 
+def _saved_midway(tmp_path, base: torch.nn.Module, kw: dict[str, Any], data: list[torch.Tensor], split: int,
+                  after_save: Callable[[Any], None] | None = None) -> list[float]:
+    """A copy of `base` trained on data[:split], save_state into tmp_path (then `after_save(offloader)`), trained on
+    the rest: the rest's losses, which a run resumed from tmp_path must give."""
+    model = copy.deepcopy(base)
+    off = offload_ext.Offloader(model, **kw)
+    offloaded_training(off, model, data[:split])
+    off.save_state(str(tmp_path))
+    if after_save is not None:
+        after_save(off)
+    expected = offloaded_training(off, model, data[split:])
+    off.close()
+    return expected
+
+
 @pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "mixed", "bf16-8bit-sr"])
 def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -> None:
     # save_state writes the host buffers from where they live (no copy in memory) and load_state reads
     # them back into place: the same run as state_dict / load_state_dict, after speculative steps too.
     base, data = tiny_llama(layers=3), batches(6)
     kw = dict(lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu", max_grad_norm=0.5)
-    model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, **kw)
-    offloaded_training(off, model, data[:3])
-    off.save_state(str(tmp_path))
-    expected = offloaded_training(off, model, data[3:])
-    off.close()
+    expected = _saved_midway(tmp_path, base, kw, data, 3)
     resumed = copy.deepcopy(base)
     off2 = offload_ext.Offloader(resumed, **kw)
     offloaded_training(off2, resumed, data[:1])  # its buffers swapped once: load into the live ones
@@ -260,12 +271,7 @@ def test_load_state_into_an_offloader_that_has_stepped_reads_into_its_device_mom
     # as the saved one.
     base, data = tiny_llama(layers=3), batches(5)
     kw = dict(lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu", resident_layers=1)
-    model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, **kw)
-    offloaded_training(off, model, data[:2])
-    off.save_state(str(tmp_path))
-    expected = offloaded_training(off, model, data[2:])
-    off.close()
+    expected = _saved_midway(tmp_path, base, kw, data, 2)
     resumed = copy.deepcopy(base)
     off2 = offload_ext.Offloader(resumed, **kw)
     offloaded_training(off2, resumed, data[:1])
@@ -283,15 +289,13 @@ def test_load_state_reads_a_directory_whose_small_file_holds_the_device_state(tm
     # Directories written before the device's tensors had a file of their own keep loading.
     base, data = tiny_llama(layers=3), batches(5)
     kw = dict(lr=LR, weight_decay=WD, precision="mixed", backend="native", device="cpu", max_grad_norm=0.5)
-    model = copy.deepcopy(base)
-    off = offload_ext.Offloader(model, **kw)
-    offloaded_training(off, model, data[:2])
-    off.save_state(str(tmp_path))
-    small = torch.load(tmp_path / "engine_state.pt", weights_only=True)
-    torch.save({**small, "outer": off.state_dict()["outer"]}, tmp_path / "engine_state.pt")  # the older form
-    (tmp_path / "engine_device.safetensors").unlink()
-    expected = offloaded_training(off, model, data[2:])
-    off.close()
+
+    def older_form(off: Any) -> None:
+        small = torch.load(tmp_path / "engine_state.pt", weights_only=True)
+        torch.save({**small, "outer": off.state_dict()["outer"]}, tmp_path / "engine_state.pt")
+        (tmp_path / "engine_device.safetensors").unlink()
+
+    expected = _saved_midway(tmp_path, base, kw, data, 2, older_form)
     resumed = copy.deepcopy(base)
     off2 = offload_ext.Offloader(resumed, **kw)
     off2.load_state(str(tmp_path))

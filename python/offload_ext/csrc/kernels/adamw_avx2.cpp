@@ -10,6 +10,7 @@
 
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
+#include "prefetch.h"
 
 namespace offload_ext {
 namespace {
@@ -84,17 +85,7 @@ struct Avx2Vec {
   static I imax(I a, I b) { return _mm256_max_epi32(a, b); }  // the bits of a magnitude are non-negative int32s
   static void store_i(uint32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static void fence() { _mm_sfence(); }
-  // The hint is a constant in each instruction; in a loop with a fixed level the compiler unswitches the choice.
-  static void prefetch(const void* p, int level) {
-    const char* a = static_cast<const char*>(p);
-    if (level == 1) {
-      _mm_prefetch(a, _MM_HINT_T1);
-    } else if (level == 2) {
-      _mm_prefetch(a, _MM_HINT_NTA);
-    } else {
-      _mm_prefetch(a, _MM_HINT_T0);
-    }
-  }
+  static void prefetch(const void* p, int level) { prefetch_line(p, level); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

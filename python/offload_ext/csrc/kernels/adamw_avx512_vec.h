@@ -8,6 +8,7 @@
 
 #include "adamw8bit.h"
 #include "adamw_kernel.h"
+#include "prefetch.h"
 
 namespace offload_ext {
 namespace {
@@ -122,17 +123,7 @@ struct Avx512Vec {
     return _mm512_mask_sub_epi32(_mm512_add_epi32(zero, count), negative, zero, _mm512_min_epi32(count, zero));
   }
   static void fence() { _mm_sfence(); }
-  // The hint is a constant in each instruction; in a loop with a fixed level the compiler unswitches the choice.
-  static void prefetch(const void* p, int level) {
-    const char* a = static_cast<const char*>(p);
-    if (level == 1) {
-      _mm_prefetch(a, _MM_HINT_T1);
-    } else if (level == 2) {
-      _mm_prefetch(a, _MM_HINT_NTA);
-    } else {
-      _mm_prefetch(a, _MM_HINT_T0);
-    }
-  }
+  static void prefetch(const void* p, int level) { prefetch_line(p, level); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
