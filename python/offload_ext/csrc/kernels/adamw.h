@@ -58,9 +58,9 @@ struct AdamWCoef {
   uint32_t sr_index = 0;
 };
 
-// The cache a software prefetch fills, as _mm_prefetch's hints: L1 (T0) holds a line in one of the
-// core's few fill buffers until it lands; L2 (T1) is tracked by the L2's longer queue, so more reads
-// can be in flight per core; NTA fills L1 but not the shared cache.
+// The cache a software prefetch fills, as _mm_prefetch's hints: L1 (T0; the line waits in one of the core's
+// fill buffers), L2 (T1; it waits in the L2's queue instead), or NTA (L1, not the shared cache). L1 stays the
+// default: L2 did not speed the B2 params pass and slowed training on the GPU host (docs/history.md, run 106).
 enum class PrefetchLevel : int { kL1 = 0, kL2 = 1, kNTA = 2 };
 
 // Memory tuning knobs (process-wide, atomic): see AdamWCoef. Defaults come from
