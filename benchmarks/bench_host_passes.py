@@ -181,9 +181,8 @@ def summary(label: str, per_unit: dict[int, list[float]], skew: int, pool: str, 
             "median_odd_ms": odd, "ms_per_16M": statistics.median(med.values()) * (1 << 24) / numel}
 
 
-def prefetch_settings(spec: str | None) -> list[tuple[int, str]]:
-    """(distance, level) of each --prefetch setting; the kernel's current one without the flag."""
-    distance, _, level = native().memory_tuning()
+def prefetch_settings(spec: str | None, distance: int, level: str) -> list[tuple[int, str]]:
+    """(distance, level) of each --prefetch setting (a level left out: `level`); (distance, level) without one."""
     if spec is None:
         return [(distance, level)]
     settings = []
@@ -198,8 +197,8 @@ def prefetch_settings(spec: str | None) -> list[tuple[int, str]]:
 def main() -> None:
     a = parse()
     threads = a.threads or default_engine_threads()
-    settings = prefetch_settings(a.prefetch)
-    stream_out = native().memory_tuning()[1]
+    distance, stream_out, level = native().memory_tuning()
+    settings = prefetch_settings(a.prefetch, distance, level)
     rows = []
     skews = [int(s) for s in a.skew.split(",")]
     if any(s % 64 for s in skews):

@@ -297,7 +297,7 @@ def dry_run(args: argparse.Namespace) -> MemoryPlan:
 
 def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
     """Ctrl-C's one line: the last complete checkpoint and the command that continues from it."""
-    return _continue_message(args, argv, "interrupted", "")
+    return _continue_message(args, argv, prior_run.complete_checkpoints(args.out), "interrupted", "")
 
 
 def write_failed_message(args: argparse.Namespace, argv: list[str], exc: CheckpointWriteError) -> str:
@@ -305,15 +305,15 @@ def write_failed_message(args: argparse.Namespace, argv: list[str], exc: Checkpo
     complete = prior_run.complete_checkpoints(args.out)
     size = _checkpoint_gb(complete[-1][1]) if complete else None
     room = f"each checkpoint here takes {size:.2f} GB, " if size is not None else ""
-    return _continue_message(args, argv, f"stopped at step {exc.step}: its checkpoint could not be written ({exc}); "
-                             "its partial files were removed", f"make room at --out ({room}--keep-checkpoints "
-                             f"{args.keep_checkpoints} of them are kept), then ")
+    return _continue_message(args, argv, complete, f"stopped at step {exc.step}: its checkpoint could not be written "
+                             f"({exc}); its partial files were removed", f"make room at --out ({room}"
+                             f"--keep-checkpoints {args.keep_checkpoints} of them are kept), then ")
 
 
-def _continue_message(args: argparse.Namespace, argv: list[str], what: str, before: str) -> str:
-    """`what` happened; the last complete checkpoint and the command that continues from it (`before` it: what to
-    do first), or that there is none."""
-    complete = prior_run.complete_checkpoints(args.out)
+def _continue_message(args: argparse.Namespace, argv: list[str], complete: list[tuple[int, str]], what: str,
+                      before: str) -> str:
+    """`what` happened; the last of the `complete` checkpoints and the command that continues from it (`before` it:
+    what to do first), or that there is none."""
     if not complete:
         return (f"offload-train: {what}; nothing to resume in {args.out} (no complete checkpoint): {before}start "
                 "again with --overwrite")
