@@ -4,9 +4,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import resource
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -137,18 +139,27 @@ def offloaded_training(off, model: nn.Module, data, device: str = "cpu", norms: 
     return losses
 
 
-def torchrun(ranks: int, *args: str, env: dict[str, str] | None = None, cwd=None,
-             check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args: str, env: dict[str, str] | None = None, cwd=None, check: bool = True,
+             preexec_fn: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run` with `ranks` local processes on `args`, one thread each. --standalone: its
     store binds a port it picks itself, where a port found free beforehand may be taken before the store binds it.
     With `check`, a failure asserts with the ranks' last output: a rank's error is in it, not in the exit status
     alone."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, preexec_fn=preexec_fn)
     assert not check or done.returncode == 0, \
         f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
+
+
+def file_size_limit(limit: int) -> Callable[[], None]:
+    """For a child process (preexec_fn): files it and its children write may not pass `limit` bytes (a write past it
+    fails with EFBIG, as a full disk's fails with ENOSPC), the signal that would kill it ignored."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 import pytest
 
+from helpers import file_size_limit
 from offload_ext.train import cli as train
 from offload_ext.train import prior_run, run_dir
 
@@ -210,19 +210,10 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
                        f"with: offload-train {' '.join(argv)} --resume")
 
 
-def _file_size_limit(limit: int):
-    """For a child process: files it writes may not pass `limit` bytes (a write past it fails with EFBIG, as a full
-    disk's fails with ENOSPC), the signal that would kill it ignored."""
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    return apply
-
-
 def _run_limited(argv: list[str], limit: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
     return subprocess.run([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=_file_size_limit(limit))
+                          stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=file_size_limit(limit))
 
 
 # Under the limit: the corpus's tokens (3.1 MB) are written before it, by the run that made --out; past it: the

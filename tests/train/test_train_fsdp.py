@@ -1,21 +1,30 @@
 """offload-train --fsdp under torchrun, two gloo ranks on the CPU: the embedded default trains, rank 0 alone logs,
 the checkpoint holds the gathered weights as transformers reads them, a run stopped half way and resumed from its
 distributed checkpoint ends exactly where the run without a stop does, a kill during a save leaves the last
-complete checkpoint to resume from, and without clipping the shards step in backward, bit for bit as after it."""
+complete checkpoint to resume from, a checkpoint one rank cannot write stops every rank with rank 0's line and
+its continuation, and without clipping the shards step in backward, bit for bit as after it."""
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
+import shlex
 
 import pytest
 
-from helpers import torchrun
+from helpers import file_size_limit, torchrun
+from offload_ext.train import run_dir
 from offload_ext.train.prior_run import complete_checkpoints
 
+FLAGS = ("--fsdp", "--device", "cpu", "--steps", "4")
 
-def _train(out, *flags: str, env: dict[str, str] | None = None, check: bool = True, clip: str | None = "1.0"):
+
+def _train(out, *flags: str, env: dict[str, str] | None = None, check: bool = True, clip: str | None = "1.0",
+           **kwargs):
     clipping = ("--max-grad-norm", clip) if clip is not None else ()
-    return torchrun(2, "-m", "offload_ext.train.cli", "--fsdp", "--device", "cpu", "--steps", "4", *clipping,
-                    "--out", str(out), *flags, env={"OFFLOAD_TRAIN_NO_BAR": "1", **(env or {})}, check=check)
+    return torchrun(2, "-m", "offload_ext.train.cli", *FLAGS, *clipping, "--out", str(out), *flags,
+                    env={"OFFLOAD_TRAIN_NO_BAR": "1", **(env or {})}, check=check, **kwargs)
 
 
 def _rows(out) -> list[dict]:
@@ -76,3 +85,29 @@ def test_fsdp_training_without_clipping_steps_in_backward_exactly_as_after_it(tm
     assert [r["clip"] for r in _rows(after)] == ["unclipped"] * 4
     assert [(r["step"], r["loss"]) for r in _rows(inside)] == [(r["step"], r["loss"]) for r in _rows(after)]
     _assert_same_weights(inside, after)
+
+
+def test_fsdp_a_checkpoint_one_rank_cannot_write_stops_every_rank_and_rank_0_says_how_to_continue(whole, tmp_path):
+    # under a file size limit between the two ranks' shard files, rank 1's write of step 4's shards is refused and
+    # rank 0's is not: every rank stops (none left waiting in a collective), the partial directory is removed,
+    # rank 0 alone prints the one line, and the torchrun command it prints continues to the unstopped run's losses
+    out = tmp_path / "refused"
+    _train(out, "--stop-after", "2")
+    shards = sorted(os.path.getsize(p) for p in glob.glob(str(out / "checkpoints" / "*" / "distributed" / "*.distcp")))
+    assert len(shards) == 2 and shards[1] - shards[0] > 20_000, shards  # room for the limit between them
+    done = _train(out, "--resume", check=False, preexec_fn=file_size_limit((shards[0] + shards[1]) // 2))
+    assert done.returncode != 0
+    lines = [x for x in done.stderr.splitlines() if x.startswith("offload-train: stopped")]
+    assert len(lines) == 1, done.stderr[-6000:]
+    assert [s for s, _ in complete_checkpoints(out)] == [2]
+    assert not os.path.exists(run_dir.partial_path(str(out), 4))
+    found = re.fullmatch(r"offload-train: stopped at step 4: its checkpoint could not be written \(\[Errno 27\] File "
+                         r"too large\); its partial files were removed; last complete checkpoint: step 2 \(.*\); "
+                         r"make room at --out \(each checkpoint here takes .* GB, --keep-checkpoints 2 of them are "
+                         r"kept\), then continue with: (.*)", lines[0])
+    assert found, lines[0]
+    command = shlex.split(found[1])
+    assert command == ["torchrun", "--nproc-per-node", "2", "-m", "offload_ext.train.cli", *FLAGS,
+                       "--max-grad-norm", "1.0", "--out", str(out), "--resume"]
+    torchrun(2, *command[3:], env={"OFFLOAD_TRAIN_NO_BAR": "1"})
+    assert [(r["step"], r["loss"]) for r in _rows(out)] == [(r["step"], r["loss"]) for r in _rows(whole)]

@@ -319,8 +319,17 @@ def _continue_message(args: argparse.Namespace, argv: list[str], complete: list[
                 "again with --overwrite")
     last = "last complete checkpoint: step {} ({})".format(*complete[-1])
     kept = [a for k, a in enumerate(argv) if not _is_resume_or_overwrite(argv, k)]
-    command = shlex.join(["offload-train", *kept, "--resume"])
+    command = shlex.join([*_launcher(args), *kept, "--resume"])
     return f"offload-train: {what}; {last}; {before}continue with: {command}"
+
+
+def _launcher(args: argparse.Namespace) -> list[str]:
+    """How this run was started, before its flags: an --fsdp run under torchrun with its ranks."""
+    if not args.fsdp:
+        return ["offload-train"]
+    local, world = os.environ.get("LOCAL_WORLD_SIZE", "N"), os.environ.get("WORLD_SIZE", "N")  # torchrun's
+    nodes = [] if world == local else ["--nnodes", str(int(world) // int(local))]
+    return ["torchrun", *nodes, "--nproc-per-node", local, "-m", "offload_ext.train.cli"]
 
 
 def _checkpoint_gb(path: str) -> float | None:
@@ -366,9 +375,10 @@ def main(argv: list[str] | None = None) -> None:
         if fresh_out and prior_run.existing_run(args.out) is None:  # never a run's metrics or checkpoints
             shutil.rmtree(args.out, ignore_errors=True)
         _refuse(exc, args.debug)
-    except CheckpointWriteError as exc:
-        print(write_failed_message(args, sys.argv[1:] if argv is None else list(argv), exc), file=sys.stderr,
-              flush=True)
+    except CheckpointWriteError as exc:  # raised on every rank of an --fsdp run: rank 0 says it
+        if dist_rank() == 0:
+            print(write_failed_message(args, sys.argv[1:] if argv is None else list(argv), exc), file=sys.stderr,
+                  flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         # No traceback: a checkpoint being written when the key came stays a .partial directory, never read.

@@ -13,8 +13,8 @@ class CheckpointError(Exception):
 
 class CheckpointWriteError(Exception):
     """A checkpoint that could not be written (a full disk, a file over the size limit): the run stops there, its
-    partial files removed; the message is the operating system's reason."""
+    partial files removed; the message is the operating system's reason (a rank's, under --fsdp)."""
 
-    def __init__(self, step: int, reason: OSError) -> None:
+    def __init__(self, step: int, reason: OSError | str) -> None:
         super().__init__(str(reason))
         self.step = step

@@ -10,7 +10,8 @@ import argparse
 import copy
 import os
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,8 +27,12 @@ from offload_ext.train import data as data_mod
 from offload_ext.train import run_dir
 from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.errors import UsageError
+from offload_ext.train.errors import CheckpointWriteError, UsageError
 from offload_ext.train.trainer import mark_phase, save_tokenizer, trainer_state
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -158,13 +163,24 @@ class FsdpTrainer:
     def save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         """Checkpoint `step` as one unit (run_dir): rank 0 makes the fresh step directory, every rank writes its
         shards into it, rank 0 the gathered weights, the tokenizer and the trainer state, then seals it once every
-        rank is done; the path of the complete checkpoint."""
+        rank is done; the path of the complete checkpoint. A write the system refuses on any rank raises
+        CheckpointWriteError on every rank once the partial directory is removed: the complete checkpoints stand."""
+        out, lead = self.config.out, dist.get_rank() == 0
+        partial = run_dir.partial_path(out, step)
+        # Each phase ends with the ranks agreeing (a collective, so also the barrier between the phases): the
+        # directory is fresh before any rank writes into it, every rank's files are written before it is sealed.
+        self._agreed(step, lambda: run_dir.begin(out, step) if lead else None)
+        self._agreed(step, lambda: self._write(partial, step, stream, tokenizer, lead))
+        self._agreed(step, lambda: run_dir.commit(out, partial, step, dict(self.config.flags),
+                                                  self.config.keep_checkpoints) if lead else None)
+        return run_dir.final_path(out, step)
+
+    def _write(self, partial: str, step: int, stream: data_mod.TokenStream, tokenizer: Any, lead: bool) -> None:
+        """This rank's files of checkpoint `step`: its shards; rank 0 also the gathered weights, the tokenizer and
+        the trainer state."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-        out, lead = self.config.out, dist.get_rank() == 0
-        partial = run_dir.begin(out, step) if lead else run_dir.partial_path(out, step)
-        dist.barrier()  # the directory is fresh before any rank writes into it
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(partial, "distributed"))
         run_dir.boundary("engine", step)
@@ -179,11 +195,27 @@ class FsdpTrainer:
                      "args": dict(self.config.flags), "world_size": dist.get_world_size()}
             torch.save(state, os.path.join(partial, "trainer_state.pt"))
             run_dir.boundary("trainer_state", step)
-        dist.barrier()  # every rank's shards are written before the directory is sealed
-        if lead:
-            run_dir.commit(out, partial, step, dict(self.config.flags), self.config.keep_checkpoints)
-        dist.barrier()
-        return run_dir.final_path(out, step)
+
+    def _agreed(self, step: int, write: Callable[[], object]) -> None:
+        """This rank's part of a save, then every rank told whether any rank's write was refused by the system (a
+        full disk): if one was, rank 0 removes the partial directory and every rank raises CheckpointWriteError
+        with the first refusal, so that no rank waits in a collective the others have left."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        refused = None
+        try:
+            write()
+        except OSError as exc:
+            refused = str(exc)
+        except CheckpointException as exc:  # the distributed save's: raised on every rank, each rank's failure in it
+            refused = _refused_write(exc)
+        reasons: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, refused)
+        first = next((r for r in reasons if r is not None), None)
+        if first is not None:
+            if dist.get_rank() == 0:
+                run_dir.abandon(self.config.out, step)
+            raise CheckpointWriteError(step, first)
 
     def load(self, stream: data_mod.TokenStream, ckpt: Checkpoint) -> int:
         """Continue from `ckpt` (verified by prior_run.find, its flags checked): the step it ends."""
@@ -203,3 +235,15 @@ class FsdpTrainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return int(state["step"])
+
+
+def _refused_write(exc: CheckpointException) -> str:
+    """The system's refusal among a distributed save's failures (a rank's full disk); anything else goes on as
+    raised, a Ctrl-C on any rank as KeyboardInterrupt (offload-train's interrupt line, not a traceback)."""
+    failures = [failure for failure, _ in exc.failures.values()]
+    if any(isinstance(f, KeyboardInterrupt) for f in failures):
+        raise KeyboardInterrupt from exc
+    refusals = [f for f in failures if isinstance(f, OSError)]
+    if len(refusals) < len(failures):
+        raise exc
+    return str(refusals[0])
