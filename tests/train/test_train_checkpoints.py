@@ -234,13 +234,14 @@ def test_a_checkpoint_the_system_cannot_write_stops_the_run_with_one_line_and_it
     (_, path), = [c for c in prior_run.complete_checkpoints(out) if c[0] == 2]
     assert [s for s, _ in prior_run.complete_checkpoints(out)] == [1, 2]
     assert not os.path.exists(run_dir.partial_path(out, 3))  # the room it took is given back
-    size = sum(f["size"] for f in json.load(open(os.path.join(path, "manifest.json")))["files"].values()) / 1e9
+    size = sum(f["size"] for f in json.load(open(os.path.join(path, "manifest.json")))["files"].values())
+    assert 1e6 < size < 1e9  # so said in MB
     command = f"offload-train --out {out} {' '.join(RUN)}"
     assert re.fullmatch(
         r"offload-train: stopped at step 3: its checkpoint could not be written \(\[Errno 27\] File too large.*\); "
         r"its partial files were removed; last complete checkpoint: step 2 \(" + re.escape(path) + r"\); make room "
-        r"at --out \(each checkpoint here takes " + re.escape(f"{size:.2f}") + r" GB, --keep-checkpoints 2 of them "
-        r"are kept\), then continue with: " + re.escape(f"{command} --resume"), line[0]), line[0]
+        r"at --out \(each checkpoint here takes " + re.escape(f"{size / 1e6:.1f}") + r" MB, --keep-checkpoints 2 of "
+        r"them are kept\), then continue with: " + re.escape(f"{command} --resume"), line[0]), line[0]
     train.main(command.split()[1:] + ["--resume"])
     assert _losses(out) == straight
 

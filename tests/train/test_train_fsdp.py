@@ -103,8 +103,8 @@ def test_fsdp_a_checkpoint_one_rank_cannot_write_stops_every_rank_and_rank_0_say
     assert not os.path.exists(run_dir.partial_path(str(out), 4))
     found = re.fullmatch(r"offload-train: stopped at step 4: its checkpoint could not be written \(\[Errno 27\] File "
                          r"too large\); its partial files were removed; last complete checkpoint: step 2 \(.*\); "
-                         r"make room at --out \(each checkpoint here takes .* GB, --keep-checkpoints 2 of them are "
-                         r"kept\), then continue with: (.*)", lines[0])
+                         r"make room at --out \(each checkpoint here takes \d+\.\d MB, --keep-checkpoints 2 of them "
+                         r"are kept\), then continue with: (.*)", lines[0])
     assert found, lines[0]
     command = shlex.split(found[1])
     assert command == ["torchrun", "--nproc-per-node", "2", "-m", "offload_ext.train.cli", *FLAGS,
