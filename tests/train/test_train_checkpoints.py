@@ -255,3 +255,27 @@ def test_a_first_checkpoint_the_system_cannot_write_says_there_is_nothing_to_res
         f"its partial files were removed; nothing to resume in {out} (no complete checkpoint): make room at --out "
         "(--keep-checkpoints 2 of them are kept), then start again with --overwrite")
     assert prior_run.complete_checkpoints(str(out)) == []
+
+
+PLAIN = ["--device", "cpu", "--backend", "none", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+         "--save-every", "1"]
+
+
+@pytest.mark.parametrize("refused", ["model.safetensors", "trainer_state.pt"])
+def test_a_refused_write_stops_the_run_with_its_line_whichever_library_writes_the_file(tmp_path, refused) -> None:
+    # without the engine the checkpoint is transformers' safetensors file, then torch.save's trainer state: each
+    # library reports the system's refusal its own way (SafetensorError; RuntimeError from the OSError), and both
+    # are the refused write's line, not a traceback; the limit lies below the refused file and above every smaller one
+    out = tmp_path / "run"
+    train.run(train.parse_args(["--out", str(out), *PLAIN, "--stop-after", "1"]))
+    (_, path), = prior_run.complete_checkpoints(str(out))
+    sizes = {name: f["size"] for name, f in json.load(open(os.path.join(path, "manifest.json")))["files"].items()}
+    limit = (max(size for size in sizes.values() if size < sizes[refused]) + sizes[refused]) // 2
+    done = _run_limited(["--out", str(out), *PLAIN, "--resume"], limit)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.match(r"offload-train: stopped at step 2: its checkpoint could not be written \(.*File too large.*\); "
+                    r"its partial files were removed; last complete checkpoint: step 1 ",
+                    done.stderr.strip().splitlines()[-1]), done.stderr
+    assert [s for s, _ in prior_run.complete_checkpoints(str(out))] == [1]
+    assert not os.path.exists(run_dir.partial_path(str(out), 2))

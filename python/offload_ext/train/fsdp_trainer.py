@@ -11,7 +11,7 @@ import copy
 import os
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,12 +27,8 @@ from offload_ext.train import data as data_mod
 from offload_ext.train import run_dir
 from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.errors import CheckpointWriteError, UsageError
+from offload_ext.train.errors import CheckpointWriteError, UsageError, write_refusal
 from offload_ext.train.trainer import mark_phase, save_tokenizer, trainer_state
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.api import CheckpointException
-
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -205,10 +201,12 @@ class FsdpTrainer:
         refused = None
         try:
             write()
-        except OSError as exc:
-            refused = str(exc)
-        except CheckpointException as exc:  # the distributed save's: raised on every rank, each rank's failure in it
-            refused = _refused_write(exc)
+        except (Exception, CheckpointException) as exc:  # the distributed save's is raised on every rank
+            if any(isinstance(f, KeyboardInterrupt) for f, _ in getattr(exc, "failures", {}).values()):
+                raise KeyboardInterrupt from exc  # a Ctrl-C on any rank: offload-train's interrupt line
+            refused = write_refusal(exc)
+            if refused is None:
+                raise
         reasons: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, refused)
         first = next((r for r in reasons if r is not None), None)
@@ -236,14 +234,3 @@ class FsdpTrainer:
         np.random.set_state(state["rng"]["numpy"])
         return int(state["step"])
 
-
-def _refused_write(exc: CheckpointException) -> str:
-    """The system's refusal among a distributed save's failures (a rank's full disk); anything else goes on as
-    raised, a Ctrl-C on any rank as KeyboardInterrupt (offload-train's interrupt line, not a traceback)."""
-    failures = [failure for failure, _ in exc.failures.values()]
-    if any(isinstance(f, KeyboardInterrupt) for f in failures):
-        raise KeyboardInterrupt from exc
-    refusals = [f for f in failures if isinstance(f, OSError)]
-    if len(refusals) < len(failures):
-        raise exc
-    return str(refusals[0])

@@ -20,7 +20,7 @@ from offload_ext.train import checkpoint_manifest, run_dir
 from offload_ext.train import data as data_mod
 from offload_ext.train.chat import ChatBatch
 from offload_ext.train.config import TrainConfig
-from offload_ext.train.errors import CheckpointWriteError, UsageError
+from offload_ext.train.errors import CheckpointWriteError, UsageError, write_refusal
 
 
 def mark_phase(phases: dict[str, float] | None, device: torch.device, name: str, last: bool = False) -> None:
@@ -149,9 +149,12 @@ class Trainer:
         CheckpointWriteError once the partial directory is removed: the complete checkpoints before it stand."""
         try:
             return self._save(step, stream, tokenizer)
-        except OSError as exc:
+        except Exception as exc:
+            reason = write_refusal(exc)
+            if reason is None:
+                raise
             run_dir.abandon(self.config.out, step)
-            raise CheckpointWriteError(step, exc) from exc
+            raise CheckpointWriteError(step, reason) from exc
 
     def _save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         ckpt = run_dir.begin(self.config.out, step)
@@ -181,7 +184,8 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "args": dict(self.config.flags),
         }
-        torch.save(state, os.path.join(ckpt, "trainer_state.pt"))
+        with open(os.path.join(ckpt, "trainer_state.pt"), "wb") as f:  # a refused write then raises from its OSError
+            torch.save(state, f)
         run_dir.boundary("trainer_state", step)
         return run_dir.commit(self.config.out, ckpt, step, dict(self.config.flags), self.config.keep_checkpoints)
 

@@ -1,0 +1,48 @@
+"""write_refusal tells a write the system refused from any other failure, as each writer of a checkpoint reports
+it: the writes are real, in a child process under a file size limit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers import file_size_limit
+from offload_ext.train.errors import write_refusal
+
+_CHILD = r"""
+import json, pickle, sys
+import torch
+from safetensors.torch import save_file
+from offload_ext.train.errors import write_refusal
+
+out, big = sys.argv[1], torch.zeros(1 << 20)
+def refusal(write):
+    try:
+        write()
+    except Exception as exc:
+        return write_refusal(exc), write_refusal(pickle.loads(pickle.dumps(exc)))  # as a rank's, sent to the others
+    return None
+
+def save_to_file_object():
+    with open(out + "/b.pt", "wb") as f:
+        torch.save(big, f)
+
+print(json.dumps({"torch.save path": refusal(lambda: torch.save(big, out + "/a.pt")),
+                  "torch.save file": refusal(save_to_file_object),
+                  "safetensors": refusal(lambda: save_file({"w": big}, out + "/c.safetensors")),
+                  "open": refusal(lambda: open(out + "/d.bin", "wb").write(bytes(1 << 22)))}))
+"""
+
+
+def test_each_writers_report_of_a_refused_write_is_a_refusal_and_other_failures_are_not(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=file_size_limit(1 << 20))
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["torch.save path"][0].startswith("a write was cut short")  # its zip writer's RuntimeError alone
+    assert found["torch.save file"][0] == "[Errno 27] File too large"  # from the OSError it was raised during
+    assert found["torch.save file"][1].startswith("a write was cut short")  # pickled, the OSError is gone
+    assert found["safetensors"] == ["File too large (os error 27)"] * 2
+    assert found["open"] == ["[Errno 27] File too large"] * 2
+    assert write_refusal(RuntimeError("shape mismatch")) is None
+    assert write_refusal(ValueError("bad value")) is None
