@@ -13,8 +13,7 @@ native-bf16sr-clip): auto for the layout that offload-train's
 --resident-layers auto --device-layers auto chooses for the run's micro-batch on this GPU (or its cap; with rN, the
 buffers only), tN engine threads, nN their niceness
 (host_nice), gN gradient slots, dN device_layers, rN resident_layers (the lowest N layers kept and stepped on
-the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), drlow for
-device_redo_from="bottom" (the lowest streamed layers redone on the GPU instead of the top ones), whole for
+the GPU), drN device_redo_layers (clipped redos of the top N layers on the GPU; default a third), whole for
 host steps not sliced (one unit at a time, as before slicing), sync for async_step=False (e.g.
 native-mixed-g6-sync), nospec for
 speculative_clip=False, aoff for activation_offload=True, lazy for eager_uploads=False, onepass for
@@ -127,8 +126,7 @@ DS_VARIANTS = {"zenflow": "deepspeed2", "superoffload": "deepspeed"}
 DS_BF16_REFUSAL = {"zenflow": "ZenFlow's optimizer takes no bf16 master weights (DeepSpeed allows them with "
                               "DeepSpeedCPUAdam only)",
                    "superoffload": "SuperOffload's host worker steps fp32 gradients on fp32 masters only"}
-FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto", "drlow",
-                *DS_VARIANTS)
+FLAG_OPTIONS = ("whole", "sync", "nospec", "aoff", "hostsum", "lazy", "onepass", "lean", "tuned", "auto", *DS_VARIANTS)
 NUMBERED_OPTIONS = ("t", "n", "g", "d", "r", "dr")  # and the prefixes of those with one (Mode.option)
 # a mode name's precision part holds no "-"
 PRECISION_NAMES = {"bf16sr": "bf16-sr", "8bit": "bf16-8bit", "8bitsr": "bf16-8bit-sr"}
@@ -406,7 +404,6 @@ def _setup(mode: Mode, model: torch.nn.Module, weights: TiledWeights,
                    resident_layers=mode.option("r") or 0, device_redo_layers=mode.option("dr"),
                    activation_checkpointing=mode.ckpt, activation_offload="aoff" in mode.options,
                    eager_uploads="lazy" not in mode.options, params_first="onepass" not in mode.options,
-                   device_redo_from="bottom" if "drlow" in mode.options else "top",
                    base_dtype=mode.base)
     if "auto" in mode.options:
         options.update(_auto_layout(mode, model, options, a))

@@ -122,10 +122,6 @@ PRESETS: dict[str, list[Row]] = {
            # forward), and with none
            *_layouts("handpicked", "auto-dr16", "b2", ["clipreal"], CAP_GB),
            *_layouts("handpicked-dr0", "auto-dr0", "b2", ["clipreal"], CAP_GB),
-           # which end of each stack the device redoes, at the count slower hosts' tuning keeps (5): the top (the
-           # default), or the bottom, which the next forward meets first while the host redoes the layers above
-           *_layouts("ends-dr5-top", "auto-dr5", "b2", ["clipreal"], CAP_GB),
-           *_layouts("ends-dr5-bottom", "auto-dr5-drlow", "b2", ["clipreal"], CAP_GB),
            # resident layers around the plan's choice under the cap (5 with 3 % of the GPU kept free): 3 was the
            # choice while a checkpoint's copy of the device state was planned on the GPU, 4 while the plan kept a
            # tenth free, 6 with 1 % (the allocator then reserved 23.1 of the 24 GB)

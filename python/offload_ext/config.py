@@ -142,10 +142,6 @@ class EngineTuning:
                                           "sixth and none, in 8 bits two thirds too, where it applies)",
                                           "None or an int >= 0 (at most the shortest stack's layers)",
                                           _opt_int(0), cli="--tuning")
-    device_redo_from: str = knob("top", "which end of each stack's streamed layers the device redoes: the top (the "
-                                 "next forward reaches them last, the host redoes the layers below meanwhile) or "
-                                 "the bottom (the forward reaches them first, while the host redoes the layers "
-                                 "above)", "'top' or 'bottom'", lambda v: v in ("top", "bottom"), cli="--tuning")
     eager_uploads: bool = knob(True, "copy a layer's new weights up as soon as its host step ends, when every layer "
                                "has a device buffer", "True or False", _bool, cli="--tuning")
     params_first: bool = knob(True, "a redo or clipped step writes the params, which the next forward waits for, "

@@ -1099,16 +1099,13 @@ def test_a_redo_on_a_slow_host_with_late_copies_is_still_exact(precision) -> Non
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
-@pytest.mark.parametrize("device_redo_layers, piece, end", [(0, None, "top"), (1, None, "top"), (3, None, "top"),
-                                                            (3, 777, "top"), (1, None, "bottom"),
-                                                            (3, 777, "bottom")])
-def test_clipped_redos_of_an_end_of_the_stack_on_the_device_are_exact(device_redo_layers, piece, end, precision,
-                                                                      monkeypatch) -> None:
-    # When clipping triggers, the top (or bottom) layers are redone on the (simulated) device from the state before
-    # their speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
-    # redos meet speculative steps queued (dropped), running (waited for) and done: at the bottom, the lowest
-    # layer's too, whose step is held once the norm is known. Norm weights without weight decay make two groups per
-    # layer; pieces of 777 elements cut through them.
+@pytest.mark.parametrize("device_redo_layers, piece", [(0, None), (1, None), (3, None), (3, 777)])
+def test_clipped_redos_of_the_top_layers_on_the_device_are_exact(device_redo_layers, piece, precision,
+                                                                 monkeypatch) -> None:
+    # When clipping triggers, the top layers are redone on the (simulated) device from the state before their
+    # speculative steps while the host redoes the rest. Slow host steps and late copies make the device's
+    # redos meet speculative steps queued (dropped), running (waited for) and done. Norm weights without
+    # weight decay make two groups per layer; pieces of 777 elements cut through them.
     from offload_ext.planning import gpu
 
     if piece is not None:
@@ -1120,7 +1117,7 @@ def test_clipped_redos_of_an_end_of_the_stack_on_the_device_are_exact(device_red
     model = copy.deepcopy(base)
     off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
                                 max_grad_norm=0.5, slice_elements=5000, device_redo_layers=device_redo_layers,
-                                device_redo_from=end, no_decay=("norm",))
+                                no_decay=("norm",))
     testing.delayed_copies(off, 3000)
     testing.slow_host_steps(off, 3000)
     norms: list[float] = []
@@ -1131,11 +1128,10 @@ def test_clipped_redos_of_an_end_of_the_stack_on_the_device_are_exact(device_red
     assert norms == pytest.approx(exact_norms, rel=1e-12) and off.last_clip_action == "redone"
     assert off.stats()["device_redos"] == device_redo_layers * len(data)
     redone_on_host = {u for lane, name, _, _, u in timeline.events if lane == "host step" and "(redo)" in name}
-    device_units = set(range(device_redo_layers) if end == "bottom" else range(4 - device_redo_layers, 4))
-    assert not redone_on_host & device_units, redone_on_host
-    on_device = [(name, begin, stop, u) for lane, name, begin, stop, u in timeline.events if lane == "device redo"]
-    assert {u for *_, u in on_device} == device_units
-    assert all(begin <= stop for _, begin, stop, _ in on_device)
+    assert not redone_on_host & set(range(4 - device_redo_layers, 4)), redone_on_host
+    on_device = [(name, begin, end, u) for lane, name, begin, end, u in timeline.events if lane == "device redo"]
+    assert {u for *_, u in on_device} == set(range(4 - device_redo_layers, 4))
+    assert all(begin <= end for _, begin, end, _ in on_device)
     pieces = [e for e in on_device if e[0].startswith("copy in")]
     assert len(pieces) == len(on_device) // 2 >= device_redo_layers
     off.close()

@@ -107,8 +107,7 @@ def choose(model: nn.Module, settings: Settings, device: torch.device, group_of:
     # a bad spec is refused once the layout is known (check_checkpointing): here it keeps nothing
     kept = (ckpt in CHECKPOINTING or type(ckpt) is int) and checkpointed_count(ckpt, n) < n
     streamed = min((len(part.units) for part in layout.stacks), default=0)  # past it, a count names the same units
-    bottom = t.device_redo_from == "bottom"
-    candidates = tuple((min(k, streamed), device_redo_units(layout, k, bottom) & spec)
+    candidates = tuple((min(k, streamed), device_redo_units(layout, k) & spec)
                        for k in device_redo_counts(c, rule.speculative, n))
     redo = frozenset().union(*(units for _, units in candidates))
     return EngineChoices(layout, rule, t.grad_slots, spec, kept, redo, candidates)

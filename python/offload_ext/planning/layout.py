@@ -178,10 +178,7 @@ def speculative_units(layout: Layout) -> frozenset[int]:
     return frozenset(u.index for part in layout.stacks for u in part.units if 2 * u.trainable_numel >= u.numel)
 
 
-def device_redo_units(layout: Layout, per_stack: int, bottom: bool = False) -> frozenset[int]:
-    """The top `per_stack` streamed units of each stack, whose clipped redo runs on the device
-    (offload_ext.engine.device_redo): the next forward needs them last, so the host redoes the ones below from the
-    lowest up meanwhile. With `bottom`, the lowest streamed ones: the forward meets them first, while the host
-    redoes the ones above."""
-    return frozenset(u.index for part in layout.stacks
-                     for u in (part.units[:per_stack] if bottom else part.units[len(part.units) - per_stack:]))
+def device_redo_units(layout: Layout, per_stack: int) -> frozenset[int]:
+    """The top `per_stack` units of each stack, whose clipped redo runs on the device (offload_ext.engine.device_redo):
+    the next forward needs them last, so the host redoes the ones below from the lowest up meanwhile."""
+    return frozenset(u.index for part in layout.stacks for u in part.units[len(part.units) - per_stack:])
