@@ -41,5 +41,6 @@ def write_refusal(exc: BaseException) -> str | None:
     if type(exc).__name__ == "SafetensorError" and "I/O error: " in text:
         return text.split("I/O error: ", 1)[1]
     if isinstance(exc, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter failed writing" in text):
-        return f"a write was cut short, as on a full disk or past a file size limit (torch.save: {text.strip()})"
+        detail = text.split("] . ", 1)[-1].strip()  # without the C++ source line torch puts first
+        return f"a write was cut short, as on a full disk or past a file size limit (torch.save: {detail})"
     return None
