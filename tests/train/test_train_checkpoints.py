@@ -1,12 +1,13 @@
 """offload-train's checkpoints are whole or refused: a crash at any write boundary of a save resumes exactly
 like the run without one, a torn checkpoint is refused naming its file, a run is never overwritten unasked,
-Ctrl-C and a checkpoint the system refuses to write say how to continue, and a resume with other flags names the
-one that differs."""
+Ctrl-C and a checkpoint the system refuses to write say how to continue, a save that will not fit is warned of a
+save interval ahead, and a resume with other flags names the one that differs."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,3 +280,31 @@ def test_a_refused_write_stops_the_run_with_its_line_whichever_library_writes_th
                     done.stderr.strip().splitlines()[-1]), done.stderr
     assert [s for s, _ in prior_run.complete_checkpoints(str(out))] == [1]
     assert not os.path.exists(run_dir.partial_path(str(out), 2))
+
+
+def _free_space(monkeypatch, out, nbytes: int) -> None:
+    """--out's file system reports `nbytes` free. A full disk cannot be made on a machine without the right to
+    mount one, so the operating system's answer is replaced for paths under `out` (the writes still land)."""
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        usage = real(path)
+        return usage._replace(free=nbytes) if os.path.abspath(path).startswith(str(out)) else usage
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+def test_a_save_that_will_not_fit_is_warned_of_a_save_interval_ahead_and_the_run_goes_on(
+        tmp_path, monkeypatch, capsys, straight) -> None:
+    out = tmp_path / "run"
+    train.run(train.parse_args(["--out", str(out), *RUN, "--stop-after", "2"]))
+    assert "warning" not in capsys.readouterr().err  # room enough
+    size = sum(f["size"] for f in json.load(open(out / "checkpoints" / "step-000002" / "manifest.json"))
+               ["files"].values())
+    _free_space(monkeypatch, out, 1000)
+    train.run(train.parse_args(["--out", str(out), *RUN, "--resume"]))
+    warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    # at the start (the checkpoint resumed from tells the size) for step 3's save, after it for step 4's
+    assert warned == [f"offload-train: warning: {out} has 0.0 MB free and a checkpoint of this run takes "
+                      f"{size / 1e6:.1f} MB: the save at step {step} will fail unless {(size - 1000) / 1e6:.1f} MB "
+                      "more is made free there (the run goes on until then)" for step in (3, 4)]
+    assert _losses(str(out)) == straight

@@ -88,6 +88,19 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)} is unreadable ({exc})")
 
 
+def checkpoint_bytes(path: str) -> int | None:
+    """A complete checkpoint's size from its manifest (None where it cannot be read)."""
+    try:
+        return sum(int(f["size"]) for f in read_manifest(path)["files"].values())
+    except (CheckpointError, AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def readable_size(nbytes: int) -> str:
+    """A size as a person reads it: GB from a gigabyte up, MB below (a small model's checkpoint is not 0.00 GB)."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
 def verify(path: str, hashes: bool = True) -> Checkpoint:
     """Checkpoint `path` checked against its manifest: the same set of files, each of the recorded size (and
     sha256 with `hashes`), and the step of the directory's name and the manifest one; CheckpointError

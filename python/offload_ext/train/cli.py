@@ -303,8 +303,8 @@ def interrupted_message(args: argparse.Namespace, argv: list[str]) -> str:
 def write_failed_message(args: argparse.Namespace, argv: list[str], exc: CheckpointWriteError) -> str:
     """The one line of a run stopped by a checkpoint it could not write: why, and how to go on once there is room."""
     complete = prior_run.complete_checkpoints(args.out)
-    size = _checkpoint_bytes(complete[-1][1]) if complete else None
-    room = f"each checkpoint here takes {_size(size)}, " if size is not None else ""
+    size = checkpoint_manifest.checkpoint_bytes(complete[-1][1]) if complete else None
+    room = f"each checkpoint here takes {checkpoint_manifest.readable_size(size)}, " if size is not None else ""
     return _continue_message(args, argv, complete, f"stopped at step {exc.step}: its checkpoint could not be written "
                              f"({exc}); its partial files were removed", f"make room at --out ({room}"
                              f"--keep-checkpoints {args.keep_checkpoints} of them are kept), then ")
@@ -330,20 +330,6 @@ def _launcher(args: argparse.Namespace) -> list[str]:
     local, world = os.environ.get("LOCAL_WORLD_SIZE", "N"), os.environ.get("WORLD_SIZE", "N")  # torchrun's
     nodes = [] if world == local else ["--nnodes", str(int(world) // int(local))]
     return ["torchrun", *nodes, "--nproc-per-node", local, "-m", "offload_ext.train.cli"]
-
-
-def _size(nbytes: int) -> str:
-    """A size as a person reads it: GB from a gigabyte up, MB below (a small model's checkpoint is not 0.00 GB)."""
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
-
-def _checkpoint_bytes(path: str) -> int | None:
-    """A complete checkpoint's size from its manifest (None where it cannot be read)."""
-    try:
-        files = checkpoint_manifest.read_manifest(path)["files"]
-        return sum(int(f["size"]) for f in files.values())
-    except (errors.CheckpointError, AttributeError, KeyError, TypeError, ValueError):
-        return None
 
 
 def _is_resume_or_overwrite(argv: list[str], k: int) -> bool:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -60,6 +61,8 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     bar = tqdm(range(start, end), initial=start, total=args.steps, desc="offload-train",
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
     saved = None
+    if lead and start > 0 and start < end:  # resumed: the checkpoint it resumed from tells the size of the next
+        _warn_if_no_room(args, prior_run.complete_checkpoints(args.out)[-1][1], start, end)
     watch = Watch(args.out, args.report_to, lead)
     with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
@@ -108,6 +111,8 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
             if args.save_every and (step + 1) % args.save_every == 0:
                 saved = trainer.save(step + 1, stream, tokenizer)
                 run_dir.boundary("saved", step + 1)
+                if lead:
+                    _warn_if_no_room(args, saved, step + 1, end)
                 watch.draw()
             interrupt.raise_if_pressed()
     timeline.close()
@@ -130,6 +135,16 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
               f"{summary['tokens_per_s']:,.0f} tok/s (median), {_peaks(summary, on_gpu)}, checkpoint in {saved}",
               flush=True)
     return summary
+
+
+def _warn_if_no_room(args: argparse.Namespace, checkpoint: str, step: int, end: int) -> None:
+    """Said as soon as it is known, a save interval ahead: the run's next save after `step` (before `end` or at
+    it) will not fit in --out's free space, judged by `checkpoint`'s size."""
+    following = min(step - step % args.save_every + args.save_every, end) if args.save_every else end
+    if following > step:
+        warning = run_dir.room_warning(args.out, checkpoint, following)
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
 
 
 def _planned(memory: MemoryPlan | None, on_gpu: bool) -> dict[str, float]:

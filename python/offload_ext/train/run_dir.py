@@ -26,7 +26,13 @@ from collections.abc import Callable
 from typing import Any
 
 from offload_ext.models.durable import fsync_path
-from offload_ext.train.checkpoint_manifest import sealed_files, step_name, write_manifest
+from offload_ext.train.checkpoint_manifest import (
+    checkpoint_bytes,
+    readable_size,
+    sealed_files,
+    step_name,
+    write_manifest,
+)
 from offload_ext.train.prior_run import LATEST, RESUME_FLAGS, checkpoints_dir, complete_checkpoints
 
 # Fault tests replace this to stop the process at each commit point of a save (`boundary` names the point,
@@ -87,6 +93,19 @@ def commit(out: str, partial: str, step: int, args: dict[str, Any], keep: int) -
     boundary("linked", step)
     _prune(out, keep, step)
     return final
+
+
+def room_warning(out: str, checkpoint: str, step: int) -> str | None:
+    """A warning where --out has less free space than `checkpoint` (a complete one of this run) takes: the save of
+    checkpoint `step`, as large, will be refused then (older ones are deleted only after it is sealed); None where
+    there is room, or the size cannot be read."""
+    size = checkpoint_bytes(checkpoint)
+    free = shutil.disk_usage(checkpoints_dir(out)).free
+    if size is None or free >= size:
+        return None
+    return (f"offload-train: warning: {out} has {readable_size(free)} free and a checkpoint of this run takes "
+            f"{readable_size(size)}: the save at step {step} will fail unless {readable_size(size - free)} more is "
+            "made free there (the run goes on until then)")
 
 
 def _now() -> str:
