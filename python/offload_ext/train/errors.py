@@ -25,7 +25,9 @@ def write_refusal(exc: BaseException) -> str | None:
     something else. Each writer says it its own way: Python's files raise OSError; torch.save on a file object
     raises RuntimeError from the OSError, on a path RuntimeError alone (its zip writer finds the file shorter than
     what it wrote); safetensors raises its SafetensorError naming the OS error; torch.distributed.checkpoint
-    gathers every rank's failure into one exception (a refusal where each of them is one)."""
+    gathers every rank's failure into one exception (a refusal where each of them is one). A Ctrl-C that landed in a
+    writer's own callback comes out as the same RuntimeError: with the KeyboardInterrupt in its chain it is not a
+    refusal; pickled to another rank the chain is gone, so a caller asks interrupt.raise_if_pressed first."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         reasons = [write_refusal(failure) for failure, _ in failures.values()]
@@ -33,6 +35,8 @@ def write_refusal(exc: BaseException) -> str | None:
     chain: BaseException | None = exc
     seen: set[int] = set()
     while chain is not None and id(chain) not in seen:
+        if isinstance(chain, KeyboardInterrupt):  # Ctrl-C inside a writer's callback, reported as its error
+            return None
         if isinstance(chain, OSError):
             return str(chain)
         seen.add(id(chain))

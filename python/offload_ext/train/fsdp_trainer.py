@@ -24,7 +24,7 @@ from offload_ext.models.weight_source import WeightSource
 from offload_ext.optim.cpu_adamw import CPUAdamW
 from offload_ext.planning.param_groups import build_groups
 from offload_ext.train import data as data_mod
-from offload_ext.train import run_dir
+from offload_ext.train import interrupt, run_dir
 from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import CheckpointWriteError, UsageError, write_refusal
@@ -202,8 +202,10 @@ class FsdpTrainer:
         try:
             write()
         except (Exception, CheckpointException) as exc:  # the distributed save's is raised on every rank
+            # Ctrl-C (on this rank, or on one whose failure came in the distributed save's): the interrupt's line
+            interrupt.raise_if_pressed()
             if any(isinstance(f, KeyboardInterrupt) for f, _ in getattr(exc, "failures", {}).values()):
-                raise KeyboardInterrupt from exc  # a Ctrl-C on any rank: offload-train's interrupt line
+                raise KeyboardInterrupt from exc
             refused = write_refusal(exc)
             if refused is None:
                 raise

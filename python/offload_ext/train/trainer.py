@@ -16,7 +16,7 @@ from offload_ext.models.lora import is_adapter
 from offload_ext.models.losses import causal_lm_loss
 from offload_ext.models.weight_source import WeightSource
 from offload_ext.planning.param_groups import build_groups
-from offload_ext.train import checkpoint_manifest, run_dir
+from offload_ext.train import checkpoint_manifest, interrupt, run_dir
 from offload_ext.train import data as data_mod
 from offload_ext.train.chat import ChatBatch
 from offload_ext.train.config import TrainConfig
@@ -150,6 +150,7 @@ class Trainer:
         try:
             return self._save(step, stream, tokenizer)
         except Exception as exc:
+            interrupt.raise_if_pressed()  # Ctrl-C inside torch.save's write comes out as torch's RuntimeError
             reason = write_refusal(exc)
             if reason is None:
                 raise
