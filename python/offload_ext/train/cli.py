@@ -328,7 +328,8 @@ def _launcher(args: argparse.Namespace) -> list[str]:
     if not args.fsdp:
         return ["offload-train"]
     local, world = os.environ.get("LOCAL_WORLD_SIZE", "N"), os.environ.get("WORLD_SIZE", "N")  # torchrun's
-    nodes = [] if world == local else ["--nnodes", str(int(world) // int(local))]
+    several = local.isdigit() and world.isdigit() and int(world) > int(local)
+    nodes = ["--nnodes", str(int(world) // int(local))] if several else []
     return ["torchrun", *nodes, "--nproc-per-node", local, "-m", "offload_ext.train.cli"]
 
 

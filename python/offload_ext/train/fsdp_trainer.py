@@ -28,7 +28,7 @@ from offload_ext.train import interrupt, run_dir
 from offload_ext.train.checkpoint_manifest import Checkpoint
 from offload_ext.train.config import TrainConfig
 from offload_ext.train.errors import CheckpointWriteError, UsageError, write_refusal
-from offload_ext.train.trainer import mark_phase, save_tokenizer, trainer_state
+from offload_ext.train.trainer import mark_phase, save_tokenizer, save_trainer_state, trainer_state
 
 # Flags of the single-GPU engine that have no meaning here: refused, naming the flag.
 _ENGINE_ONLY = {"offload_all": "--offload-all", "resident_layers": "--resident-layers",
@@ -189,7 +189,7 @@ class FsdpTrainer:
             state = {"step": step, "data": stream.state(), "schedule": self.schedule.state_dict(),
                      "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
                      "args": dict(self.config.flags), "world_size": dist.get_world_size()}
-            torch.save(state, os.path.join(partial, "trainer_state.pt"))
+            save_trainer_state(state, partial)
             run_dir.boundary("trainer_state", step)
 
     def _agreed(self, step: int, write: Callable[[], object]) -> None:
@@ -235,4 +235,3 @@ class FsdpTrainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return int(state["step"])
-

@@ -185,8 +185,7 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "args": dict(self.config.flags),
         }
-        with open(os.path.join(ckpt, "trainer_state.pt"), "wb") as f:  # a refused write then raises from its OSError
-            torch.save(state, f)
+        save_trainer_state(state, ckpt)
         run_dir.boundary("trainer_state", step)
         return run_dir.commit(self.config.out, ckpt, step, dict(self.config.flags), self.config.keep_checkpoints)
 
@@ -220,6 +219,13 @@ def _packing(batch: torch.Tensor | ChatBatch) -> dict[str, torch.Tensor]:
     if isinstance(batch, ChatBatch):
         return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask}
     return {}
+
+
+def save_trainer_state(state: dict[str, Any], directory: str) -> None:
+    """`state` as the checkpoint's trainer_state.pt, through a Python file: a write the system refuses then raises
+    torch.save's error from the OSError that names the reason (written to a path, torch's own writer drops it)."""
+    with open(os.path.join(directory, "trainer_state.pt"), "wb") as f:
+        torch.save(state, f)
 
 
 def save_tokenizer(tokenizer: Any, directory: str) -> None:
