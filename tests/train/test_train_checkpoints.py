@@ -212,6 +212,39 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tm
                        f"with: offload-train {' '.join(argv)} --resume")
 
 
+_KEY_IN_A_LIBRARY = r"""
+import os, signal, sys, time
+from offload_ext.train import cli, run_dir
+
+def hook(name, step):
+    if name == "saved" and step == 1:  # where the loop first imports matplotlib for the curves
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except KeyboardInterrupt as exc:  # as a C extension's import cut short by the key reports it
+            raise ImportError("initialization failed") from exc
+
+run_dir.crash_hook = hook
+cli.main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_that_a_library_turns_into_its_own_error_still_ends_with_the_interrupts_line(tmp_path) -> None:
+    # the key landing in a C extension's import (matplotlib's, drawing the curves after the first save) came out as
+    # ImportError from the KeyboardInterrupt: a traceback, then an abort as the interpreter finalized
+    out = str(tmp_path / "run")
+    argv = ["--out", out, *RUN]
+    env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
+    done = subprocess.run([sys.executable, "-c", _KEY_IN_A_LIBRARY, *argv], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
+    (_, path), = prior_run.complete_checkpoints(out)
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"offload-train: interrupted; last complete checkpoint: step 1 ({path}); continue with: offload-train "
+        f"{' '.join(argv)} --resume")
+
+
 def _run_limited(argv: list[str], limit: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
     return subprocess.run([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
@@ -309,3 +342,22 @@ def test_a_save_that_will_not_fit_is_warned_of_a_save_interval_ahead_and_the_run
                       f"{size / 1e6:.1f} MB: the save at step {step} will fail unless {(size - 1000) / 1e6:.1f} MB "
                       "more is made free there (the run goes on until then)" for step in (3, 4)]
     assert _losses(str(out)) == straight
+
+
+@pytest.mark.parametrize("flags", [RUN, PLAIN], ids=["engine", "no-engine"])
+def test_a_fresh_runs_first_save_that_will_not_fit_is_warned_of_after_its_first_step(
+        tmp_path, monkeypatch, capsys, flags) -> None:
+    # before any checkpoint exists the size is estimated from what the save will write (the engine's buffers and
+    # weights; without it the weights twice and the moments): within 10 % of what the save then wrote (4-6 % under
+    # it here), the small files (tokenizer, config, trainer state's scalars) being the rest
+    out = tmp_path / "run"
+    _free_space(monkeypatch, out, 1000)
+    train.run(train.parse_args(["--out", str(out), *flags, "--save-every", "2"]))
+    warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    found = re.fullmatch(rf"offload-train: warning: {re.escape(str(out))} has 0.0 MB free and a checkpoint of this "
+                         r"run takes about (\d+\.\d) MB: the save at step 2 will fail unless \d+\.\d MB more is made "
+                         r"free there \(the run goes on until then\)", warned[0])
+    assert found, warned
+    (_, path), *_ = prior_run.complete_checkpoints(str(out))
+    size = sum(f["size"] for f in json.load(open(os.path.join(path, "manifest.json")))["files"].values())
+    assert abs(float(found[1]) * 1e6 - size) < 0.1 * size, (found[1], size)

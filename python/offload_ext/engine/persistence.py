@@ -73,6 +73,16 @@ class StateIO:
         torch.save(self._small_state(self._device_opt.skeleton()), small + ".partial")
         os.replace(small + ".partial", small)
 
+    def saved_nbytes(self, weights: bool = True) -> int:
+        """The tensor bytes save_state (and, with `weights`, save_pretrained) would write now: what a checkpoint of
+        this Offloader takes on disk, its small files aside. The device optimizer's state counts once it exists
+        (after the first step)."""
+        self._check_open()
+        sources = [*host_sources(self._host), *self._device_opt.tensor_sources()]
+        if weights:
+            sources += weight_sources(self.model, self.layout, self._host)
+        return sum(source.nbytes for _, source in sources)
+
     def load_state(self, path: str) -> None:
         """Restore what save_state(path) wrote, reading the host buffers and the device's tensors straight
         into place; everything is checked against this Offloader before any of it is written. A directory

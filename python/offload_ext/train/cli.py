@@ -350,10 +350,11 @@ def _refuse(exc: UsageError, debug: bool) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
+    given = sys.argv[1:] if argv is None else list(argv)
     try:
         args = parse_args(argv)
     except UsageError as exc:
-        _refuse(exc, debug="--debug" in (sys.argv[1:] if argv is None else argv))
+        _refuse(exc, debug="--debug" in given)
     # Most inputs are checked before --out is made; what only the data or the model can tell (a tokenizer that
     # does not load, a sequence longer than the model's positions, a plan that does not fit) comes after the
     # corpus's tokenizer is written there: an --out this invocation made is then removed with its refusal.
@@ -369,14 +370,21 @@ def main(argv: list[str] | None = None) -> None:
         _refuse(exc, args.debug)
     except CheckpointWriteError as exc:  # raised on every rank of an --fsdp run: rank 0 says it
         if dist_rank() == 0:
-            print(write_failed_message(args, sys.argv[1:] if argv is None else list(argv), exc), file=sys.stderr,
-                  flush=True)
+            print(write_failed_message(args, given, exc), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        # No traceback: a checkpoint being written when the key came stays a .partial directory, never read.
-        print("\n" + interrupted_message(args, sys.argv[1:] if argv is None else list(argv)), file=sys.stderr,
-              flush=True)
-        interrupt.exit_interrupted()
+        _interrupted(args, given)
+    except Exception:
+        if not interrupt.pressed():
+            raise
+        _interrupted(args, given)  # the key's, turned into a library's own error
+
+
+def _interrupted(args: argparse.Namespace, argv: list[str]) -> NoReturn:
+    """Ctrl-C's end: its one line, no traceback, exit status 130. A checkpoint being written when the key came
+    stays a .partial directory, never read."""
+    print("\n" + interrupted_message(args, argv), file=sys.stderr, flush=True)
+    interrupt.exit_interrupted()
 
 
 if __name__ == "__main__":

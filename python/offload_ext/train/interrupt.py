@@ -45,6 +45,12 @@ def recorded() -> Iterator[None]:
         sys.unraisablehook = previous_hook
 
 
+def pressed() -> bool:
+    """Whether Ctrl-C came (within `recorded`): an error raised since may be the key's, turned into a library's own
+    (a C extension whose import the key cut short raises ImportError from it)."""
+    return _pressed
+
+
 def raise_if_pressed() -> None:
     """KeyboardInterrupt if Ctrl-C came and its exception was swallowed on the way."""
     if _pressed:

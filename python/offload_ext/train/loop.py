@@ -17,6 +17,7 @@ from offload_ext.engine.timeline import Timeline
 from offload_ext.planning.memory import process_peak_rss
 from offload_ext.planning.report import MemoryPlan
 from offload_ext.train import interrupt, prior_run, run_dir
+from offload_ext.train.checkpoint_manifest import checkpoint_bytes
 from offload_ext.train.trainer import Trainer
 from offload_ext.train.watch import Watch
 
@@ -62,7 +63,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                disable=os.environ.get("OFFLOAD_TRAIN_NO_BAR") == "1" or not lead)
     saved = None
     if lead and start > 0 and start < end:  # resumed: the checkpoint it resumed from tells the size of the next
-        _warn_if_no_room(args, prior_run.complete_checkpoints(args.out)[-1][1], start, end)
+        _warn_if_no_room(args, checkpoint_bytes(prior_run.complete_checkpoints(args.out)[-1][1]), start + 1, end)
     watch = Watch(args.out, args.report_to, lead)
     with open(metrics_path, "a") if lead else contextlib.nullcontext() as metrics:
         for k, step in enumerate(bar):
@@ -77,6 +78,9 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                 # back on side streams during the next forward; waiting for them here would serialize them.
                 torch.cuda.current_stream().synchronize()
             rate = tokens_per_step / (time.perf_counter() - t0)
+            estimate = getattr(trainer, "checkpoint_estimate", None)  # the single-device trainer's
+            if k == 0 and lead and start == 0 and estimate is not None:  # before a fresh run's first save
+                _warn_if_no_room(args, estimate(), step + 1, end, about=True)
             if phases is not None and lead:
                 print(f"offload-train: first step {tokens_per_step / rate:.1f} s, "
                       + ", ".join(f"{name} {v:.2f} s" for name, v in phases.items())
@@ -112,7 +116,7 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                 saved = trainer.save(step + 1, stream, tokenizer)
                 run_dir.boundary("saved", step + 1)
                 if lead:
-                    _warn_if_no_room(args, saved, step + 1, end)
+                    _warn_if_no_room(args, checkpoint_bytes(saved), step + 2, end)
                 watch.draw()
             interrupt.raise_if_pressed()
     timeline.close()
@@ -137,14 +141,16 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
     return summary
 
 
-def _warn_if_no_room(args: argparse.Namespace, checkpoint: str, step: int, end: int) -> None:
-    """Said as soon as it is known, a save interval ahead: the run's next save after `step` (before `end` or at
-    it) will not fit in --out's free space, judged by `checkpoint`'s size."""
-    following = min(step - step % args.save_every + args.save_every, end) if args.save_every else end
-    if following > step:
-        warning = run_dir.room_warning(args.out, checkpoint, following)
-        if warning is not None:
-            print(warning, file=sys.stderr, flush=True)
+def _warn_if_no_room(args: argparse.Namespace, size: int | None, earliest: int, end: int,
+                     about: bool = False) -> None:
+    """Said as soon as it is known, a save interval ahead: the run's next save at step `earliest` or after (up to
+    `end`) will not fit in --out's free space, a checkpoint taking `size` bytes (`about` that: an estimate)."""
+    if earliest > end or size is None:
+        return
+    step = min(-(-earliest // args.save_every) * args.save_every, end) if args.save_every else end
+    warning = run_dir.room_warning(args.out, size, step, about)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _planned(memory: MemoryPlan | None, on_gpu: bool) -> dict[str, float]:

@@ -27,7 +27,6 @@ from typing import Any
 
 from offload_ext.models.durable import fsync_path
 from offload_ext.train.checkpoint_manifest import (
-    checkpoint_bytes,
     readable_size,
     sealed_files,
     step_name,
@@ -95,17 +94,16 @@ def commit(out: str, partial: str, step: int, args: dict[str, Any], keep: int) -
     return final
 
 
-def room_warning(out: str, checkpoint: str, step: int) -> str | None:
-    """A warning where --out has less free space than `checkpoint` (a complete one of this run) takes: the save of
-    checkpoint `step`, as large, will be refused then (older ones are deleted only after it is sealed); None where
-    there is room, or the size cannot be read."""
-    size = checkpoint_bytes(checkpoint)
-    free = shutil.disk_usage(checkpoints_dir(out)).free
-    if size is None or free >= size:
+def room_warning(out: str, size: int, step: int, about: bool = False) -> str | None:
+    """A warning where --out has less free space than a checkpoint of this run takes (`size` bytes, measured from
+    one written, or `about` that: estimated before the first): the save of checkpoint `step` will be refused then
+    (older ones are deleted only after it is sealed); None where there is room."""
+    free = shutil.disk_usage(out).free  # checkpoints/ is made at the first save
+    if free >= size:
         return None
     return (f"offload-train: warning: {out} has {readable_size(free)} free and a checkpoint of this run takes "
-            f"{readable_size(size)}: the save at step {step} will fail unless {readable_size(size - free)} more is "
-            "made free there (the run goes on until then)")
+            f"{'about ' if about else ''}{readable_size(size)}: the save at step {step} will fail unless "
+            f"{readable_size(size - free)} more is made free there (the run goes on until then)")
 
 
 def _now() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import numpy as np
@@ -157,6 +158,18 @@ class Trainer:
             run_dir.abandon(self.config.out, step)
             raise CheckpointWriteError(step, reason) from exc
 
+    def checkpoint_estimate(self) -> int:
+        """About the bytes a checkpoint of this run takes (the tensors _save writes; its small files aside): known
+        once the first step has made the optimizers' state."""
+        if self.off is not None and self.config.adapter_only:
+            adapter = self.off.model_state_dict(include=is_adapter)
+            return self.off.saved_nbytes(weights=False) + _nbytes(adapter.values())
+        if self.off is not None:
+            return self.off.saved_nbytes()
+        moments = (t for state in self.opt.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+        weights = _nbytes(self.model.state_dict().values())
+        return 2 * weights + _nbytes(moments)  # the safetensors file; trainer_state.pt's copy and the moments
+
     def _save(self, step: int, stream: data_mod.TokenStream, tokenizer: Any) -> str:
         ckpt = run_dir.begin(self.config.out, step)
         weights = None
@@ -219,6 +232,12 @@ def _packing(batch: torch.Tensor | ChatBatch) -> dict[str, torch.Tensor]:
     if isinstance(batch, ChatBatch):
         return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask}
     return {}
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Their bytes, a tensor met twice (tied weights under two names) once, as the files hold it."""
+    unique = {(t.data_ptr(), t.dtype, tuple(t.shape)): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def save_trainer_state(state: dict[str, Any], directory: str) -> None:
