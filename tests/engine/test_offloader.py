@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 import warnings
@@ -233,6 +234,29 @@ def test_save_state_to_a_directory_continues_the_same_run(tmp_path, precision) -
     with pytest.raises(ValueError, match="another model"):  # refused before any buffer is written
         other.load_state(str(tmp_path))
     other.close()
+
+
+def _tensor_bytes(path) -> int:
+    """The tensor data a safetensors file holds: its size less the 8-byte length and the JSON header."""
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return os.path.getsize(path) - 8 - header
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_saved_nbytes_is_the_tensor_data_save_state_and_save_pretrained_write(tmp_path, precision) -> None:
+    # offload-train's disk-space check before a fresh run's first save counts on it; a resident layer's device
+    # state counts once the first step has made it
+    model = tiny_llama(layers=3)
+    off = offload_ext.Offloader(model, lr=LR, weight_decay=WD, precision=precision, backend="native", device="cpu",
+                                resident_layers=1)
+    offloaded_training(off, model, batches(2))
+    off.save_state(str(tmp_path))
+    state = _tensor_bytes(tmp_path / "engine_state.safetensors") + _tensor_bytes(tmp_path / "engine_device.safetensors")
+    assert off.saved_nbytes(weights=False) == state
+    weights = off.save_pretrained(str(tmp_path / "weights"))
+    assert off.saved_nbytes() == state + sum(_tensor_bytes(path) for path in weights)
+    off.close()
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
