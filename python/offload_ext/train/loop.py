@@ -78,9 +78,9 @@ def train_loop(args, trainer, stream, tokenizer, start, metrics_path, tokens_per
                 # back on side streams during the next forward; waiting for them here would serialize them.
                 torch.cuda.current_stream().synchronize()
             rate = tokens_per_step / (time.perf_counter() - t0)
-            estimate = getattr(trainer, "checkpoint_estimate", None)  # the single-device trainer's
-            if k == 0 and lead and start == 0 and estimate is not None:  # before a fresh run's first save
-                _warn_if_no_room(args, estimate(), step + 1, end, about=True)
+            # a fresh run's first save, judged after its first step (the single-device trainer estimates it)
+            if k == 0 and lead and start == 0 and hasattr(trainer, "checkpoint_estimate"):
+                _warn_if_no_room(args, trainer.checkpoint_estimate(), step + 1, end, about=True)
             if phases is not None and lead:
                 print(f"offload-train: first step {tokens_per_step / rate:.1f} s, "
                       + ", ".join(f"{name} {v:.2f} s" for name, v in phases.items())
