@@ -1,12 +1,14 @@
 """offload-train's checkpoints are whole or refused: a crash at any write boundary of a save resumes exactly
 like the run without one, a torn checkpoint is refused naming its file, a run is never overwritten unasked,
-Ctrl-C and a checkpoint the system refuses to write say how to continue, a save that will not fit is warned of a
-save interval ahead, and a resume with other flags names the one that differs."""
+Ctrl-C and a checkpoint the system refuses to write (on a real full disk too) say how to continue, a save that
+will not fit is warned of a save interval ahead, and a resume with other flags names the one that differs."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 
 from helpers import file_size_limit
 from offload_ext.train import cli as train
-from offload_ext.train import prior_run, run_dir
+from offload_ext.train import checkpoint_manifest, prior_run, run_dir
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
        "--save-every", "1"]
@@ -361,3 +363,75 @@ def test_a_fresh_runs_first_save_that_will_not_fit_is_warned_of_after_its_first_
     (_, path), *_ = prior_run.complete_checkpoints(str(out))
     size = sum(f["size"] for f in json.load(open(os.path.join(path, "manifest.json")))["files"].values())
     assert abs(float(found[1]) * 1e6 - size) < 0.1 * size, (found[1], size)
+
+
+def test_a_failure_after_a_checkpoint_is_sealed_says_that_checkpoint_is_complete_and_continues_from_it(
+        tmp_path, monkeypatch, capsys, straight) -> None:
+    # pointing `latest` at step 3 fails (a full disk refusing the link): step 3 is complete and --resume takes it,
+    # so the line must not say that its checkpoint could not be written
+    out = str(tmp_path / "run")
+
+    def hook(at: str, at_step: int) -> None:
+        if (at, at_step) == ("renamed", 3):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(run_dir, "crash_hook", hook)
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--out", out, *RUN])
+    assert exc.value.code == 1
+    monkeypatch.setattr(run_dir, "crash_hook", None)
+    path = run_dir.final_path(out, 3)
+    size = checkpoint_manifest.checkpoint_bytes(path)
+    command = f"offload-train --out {out} {' '.join(RUN)} --resume"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "offload-train: stopped after step 3: its checkpoint is complete, but --out could not be tidied after it "
+        f"([Errno 28] No space left on device); last complete checkpoint: step 3 ({path}); make room at --out (each "
+        f"checkpoint here takes {checkpoint_manifest.readable_size(size)}, --keep-checkpoints 2 of them are kept), "
+        f"then continue with: {command}")
+    train.main(command.split()[1:])
+    assert _losses(out) == straight
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own at tmp_path/disk, resized by calling the fixture's value with a size in bytes: a real full
+    disk. Needs the right to mount one (root with CAP_SYS_ADMIN): skipped elsewhere."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def resize(nbytes: int) -> str:
+        subprocess.run(["mount", "-o", f"remount,size={nbytes}", str(disk)], check=True)
+        return str(disk)
+    yield resize
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_on_a_real_full_disk_the_run_warns_ahead_stops_with_one_line_and_continues_once_there_is_room(
+        tmp_path, small_disk, straight) -> None:
+    # sizes from a run on the ordinary disk: what --out holds before the first save (the corpus's tokens, the
+    # tokenizer) and a checkpoint; the small disk then holds those, one checkpoint and half of another
+    probe = str(tmp_path / "probe")
+    train.run(train.parse_args(["--out", probe, *RUN, "--stop-after", "1"]))
+    checkpoint = checkpoint_manifest.checkpoint_bytes(run_dir.final_path(probe, 1))
+    used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(probe) for n in names)
+    page = 4096
+    out = os.path.join(small_disk((used + checkpoint // 2) // page * page + 64 * page), "run")
+    done = subprocess.run([sys.executable, "-m", "offload_ext.train.cli", "--out", out, *RUN],
+                          env=dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1"), stderr=subprocess.PIPE, text=True,
+                          timeout=300, stdout=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert re.fullmatch(rf"offload-train: warning: {re.escape(out)} has \d+\.\d MB free and a checkpoint of this run "
+                        r"takes \d+\.\d MB: the save at step 2 will fail unless \d+\.\d MB more is made free there "
+                        r"\(the run goes on until then\)", lines[-2]), lines
+    assert re.fullmatch(r"offload-train: stopped at step 2: its checkpoint could not be written \(.*No space left on "
+                        r"device.*\); its partial files were removed; last complete checkpoint: step 1 .*; make room "
+                        r"at --out .*, then continue with: offload-train .* --resume", lines[-1]), lines
+    assert [s for s, _ in prior_run.complete_checkpoints(out)] == [1]
+    assert not os.path.exists(run_dir.partial_path(out, 2))
+    small_disk(64 << 20)
+    train.main(shlex.split(lines[-1].split("continue with: ", 1)[1])[1:])
+    assert _losses(out) == straight

@@ -305,9 +305,13 @@ def write_failed_message(args: argparse.Namespace, argv: list[str], exc: Checkpo
     complete = prior_run.complete_checkpoints(args.out)
     size = checkpoint_manifest.checkpoint_bytes(complete[-1][1]) if complete else None
     room = f"each checkpoint here takes {checkpoint_manifest.readable_size(size)}, " if size is not None else ""
-    return _continue_message(args, argv, complete, f"stopped at step {exc.step}: its checkpoint could not be written "
-                             f"({exc}); its partial files were removed", f"make room at --out ({room}"
-                             f"--keep-checkpoints {args.keep_checkpoints} of them are kept), then ")
+    if exc.step in (step for step, _ in complete):  # sealed: what failed came after, pointing `latest` or pruning
+        what = (f"stopped after step {exc.step}: its checkpoint is complete, but --out could not be tidied after it "
+                f"({exc})")
+    else:
+        what = f"stopped at step {exc.step}: its checkpoint could not be written ({exc}); its partial files were removed"
+    return _continue_message(args, argv, complete, what, f"make room at --out ({room}--keep-checkpoints "
+                             f"{args.keep_checkpoints} of them are kept), then ")
 
 
 def _continue_message(args: argparse.Namespace, argv: list[str], complete: list[tuple[int, str]], what: str,
