@@ -18,8 +18,8 @@ import time
 import pytest
 
 from helpers import file_size_limit
-from offload_ext.train import cli as train
 from offload_ext.train import checkpoint_manifest, prior_run, run_dir
+from offload_ext.train import cli as train
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
        "--save-every", "1"]

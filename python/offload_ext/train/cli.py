@@ -309,7 +309,8 @@ def write_failed_message(args: argparse.Namespace, argv: list[str], exc: Checkpo
         what = (f"stopped after step {exc.step}: its checkpoint is complete, but --out could not be tidied after it "
                 f"({exc})")
     else:
-        what = f"stopped at step {exc.step}: its checkpoint could not be written ({exc}); its partial files were removed"
+        what = (f"stopped at step {exc.step}: its checkpoint could not be written ({exc}); its partial files were "
+                "removed")
     return _continue_message(args, argv, complete, what, f"make room at --out ({room}--keep-checkpoints "
                              f"{args.keep_checkpoints} of them are kept), then ")
 
