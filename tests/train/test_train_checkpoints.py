@@ -23,6 +23,12 @@ from offload_ext.train import cli as train
 
 RUN = ["--device", "cpu-sim", "--backend", "native", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
        "--save-every", "1"]
+# The engine on the simulated device everywhere, and on a GPU where there is one (the tiny model, as on the CPU).
+DEVICES = [pytest.param("cpu-sim", id="cpu-sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _on(device: str) -> list[str]:
+    return ["--device", device, "--model", "tiny", *RUN[2:]]
 
 
 @pytest.fixture(autouse=True)
@@ -193,9 +199,10 @@ def test_resume_trims_the_metrics_after_the_checkpoint_so_no_step_appears_twice(
     assert _losses(out) == straight
 
 
-def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_the_command(tmp_path, device) -> None:
     out = str(tmp_path / "run")
-    argv = ["--out", out, *RUN, "--steps", "200"]
+    argv = ["--out", out, *_on(device), "--steps", "2000"]  # a GPU's steps are ms: the key comes long before the end
     env = dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1")
     proc = subprocess.Popen([sys.executable, "-m", "offload_ext.train.cli", *argv], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -408,17 +415,21 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_on_a_real_full_disk_the_run_warns_ahead_stops_with_one_line_and_continues_once_there_is_room(
-        tmp_path, small_disk, straight) -> None:
-    # sizes from a run on the ordinary disk: what --out holds before the first save (the corpus's tokens, the
-    # tokenizer) and a checkpoint; the small disk then holds those, one checkpoint and half of another
-    probe = str(tmp_path / "probe")
-    train.run(train.parse_args(["--out", probe, *RUN, "--stop-after", "1"]))
-    checkpoint = checkpoint_manifest.checkpoint_bytes(run_dir.final_path(probe, 1))
-    used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(probe) for n in names)
+        tmp_path, small_disk, device) -> None:
+    # the run on the ordinary disk gives the sizes (what --out holds besides checkpoints: the corpus's tokens, the
+    # tokenizer, the metrics; a checkpoint) and the losses; the small disk then holds those, one checkpoint and half
+    # of another
+    flags = _on(device)
+    straight = str(tmp_path / "straight")
+    train.run(train.parse_args(["--out", straight, *flags]))
+    checkpoint = checkpoint_manifest.checkpoint_bytes(run_dir.final_path(straight, 4))
+    used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(straight) for n in names
+               if "checkpoints" not in d)
     page = 4096
-    out = os.path.join(small_disk((used + checkpoint // 2) // page * page + 64 * page), "run")
-    done = subprocess.run([sys.executable, "-m", "offload_ext.train.cli", "--out", out, *RUN],
+    out = os.path.join(small_disk((used + checkpoint * 3 // 2) // page * page + 64 * page), "run")
+    done = subprocess.run([sys.executable, "-m", "offload_ext.train.cli", "--out", out, *flags],
                           env=dict(os.environ, OFFLOAD_TRAIN_NO_BAR="1"), stderr=subprocess.PIPE, text=True,
                           timeout=300, stdout=subprocess.DEVNULL)
     assert done.returncode == 1, done.stderr
@@ -434,4 +445,4 @@ def test_on_a_real_full_disk_the_run_warns_ahead_stops_with_one_line_and_continu
     assert not os.path.exists(run_dir.partial_path(out, 2))
     small_disk(64 << 20)
     train.main(shlex.split(lines[-1].split("continue with: ", 1)[1])[1:])
-    assert _losses(out) == straight
+    assert _losses(out) == _losses(straight)
