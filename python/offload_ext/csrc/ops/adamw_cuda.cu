@@ -84,8 +84,8 @@ void adamw_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
     const auto* g = static_cast<const uint16_t*>(u.grad);
     auto* m = static_cast<uint16_t*>(u.exp_avg);
     auto* v = static_cast<uint16_t*>(u.exp_avg_sq);
-    scaled ? adamw_bf16_kernel<true><<<blocks, kThreads, 0, stream>>>(p, g, m, v, n, c, scale)
-           : adamw_bf16_kernel<false><<<blocks, kThreads, 0, stream>>>(p, g, m, v, n, c, scale);
+    const auto kernel = scaled ? adamw_bf16_kernel<true> : adamw_bf16_kernel<false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(p, g, m, v, n, c, scale);
   } else {
     auto* p = static_cast<float*>(u.param);
     auto* m = static_cast<float*>(u.exp_avg);
