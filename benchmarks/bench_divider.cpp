@@ -11,34 +11,18 @@
 // same float; the Newton reciprocal's product is within ~1.5 * 2^-52.
 #include <immintrin.h>
 
+#include "../python/offload_ext/csrc/kernels/adamw_avx512_vec.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
 
-static inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 round_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                               _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  return _mm512_castsi512_ps(r);
-}
-static inline void store_bf16(uint16_t* p, __m512 x) {
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
+using V = offload_ext::Avx512Vec;  // the kernel's own loads, roundings and stores
 
 // x * r in float64 rounded once to float: equal to x / c for every float x when r = RN64(1/c).
 static inline __m512 mul_f64(__m512 x, __m512d r) {
@@ -76,39 +60,37 @@ static inline __m512 div_f64(__m512 n, __m512 d) {
 }
 
 struct Coef {
-  float scale = 0.37f, decay = 1.0f - 1e-4f * 0.01f, lerp = 0.1f, omb2 = 0.001f, b2 = 0.999f, bc2s = 0.0f,
-        eps = 1e-8f, ns = -1e-4f / 0.271f;
-  double rbc2s = 0.0;
+  offload_ext::AdamWCoef k{};  // the kernel's coefficients (lr 1e-4, weight decay 0.01, step 7)
+  float scale = 0.37f;         // clipping's gradient scale
+  double rbc2s = 0.0;          // RN64(1 / bias_correction2_sqrt)
 };
 
+// Variant 0 is the kernel's own update (adamw_update.h) on the kernel's scaled-gradient read; the others spell
+// the same arithmetic with the divisions replaced.
 template <int kVar>
-static void pass(uint16_t* P, const uint16_t* G, const uint16_t* M, const uint16_t* V, int64_t n, const Coef& c) {
+static void pass(uint16_t* P, const uint16_t* G, const uint16_t* M, const uint16_t* S, int64_t n, const Coef& c) {
+  const offload_ext::AdamWCoef& k = c.k;
   const __m512d rbc = _mm512_set1_pd(c.rbc2s);
-  for (int64_t i = 0; i + 16 <= n; i += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(P + i + 512), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(G + i + 512), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(M + i + 512), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(V + i + 512), _MM_HINT_T0);
-    __m512 p = load_bf16(P + i);
-    const __m512 g = round_bf16(_mm512_mul_ps(load_bf16(G + i), _mm512_set1_ps(c.scale)));
-    __m512 m = load_bf16(M + i);
-    __m512 v = load_bf16(V + i);
-    p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
-    m = _mm512_fmadd_ps(_mm512_set1_ps(c.lerp), _mm512_sub_ps(g, m), m);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.omb2), g), g, _mm512_mul_ps(v, _mm512_set1_ps(c.b2)));
-    const __m512 s = kVar == 4 ? _mm512_mul_ps(v, _mm512_rsqrt14_ps(v)) : _mm512_sqrt_ps(v);
-    __m512 d1;
-    if (kVar == 0) d1 = _mm512_div_ps(s, _mm512_set1_ps(c.bc2s));
-    else if (kVar == 1 || kVar == 2) d1 = mul_f64(s, rbc);
-    else d1 = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / c.bc2s));
-    const __m512 denom = _mm512_add_ps(d1, _mm512_set1_ps(c.eps));
-    const __m512 num = _mm512_mul_ps(_mm512_set1_ps(c.ns), m);
-    __m512 u;
-    if (kVar <= 1) u = _mm512_div_ps(num, denom);
-    else if (kVar == 2) u = div_f64(num, denom);
-    else u = _mm512_mul_ps(num, _mm512_rcp14_ps(denom));
-    p = _mm512_add_ps(p, u);
-    store_bf16(P + i, p);
+  for (int64_t i = 0; i + V::W <= n; i += V::W) {
+    for (const uint16_t* a : {static_cast<const uint16_t*>(P), G, M, S}) V::prefetch(a + i + 512, 0);
+    __m512 p = V::load_bf16(P + i);
+    __m512 g = offload_ext::load_grad_bf16<V, offload_ext::kGradScale>(G, nullptr, c.scale, i);
+    __m512 m = V::load_bf16(M + i);
+    __m512 v = V::load_bf16(S + i);
+    if (kVar == 0) {
+      offload_ext::adamw_update<V>(p, g, m, v, k);
+    } else {
+      p = V::mul(p, V::set1(k.decay));
+      m = V::fmadd(V::set1(k.lerp_coef), V::sub(g, m), m);
+      v = V::fmadd(V::mul(V::set1(k.one_minus_beta2), g), g, V::mul(v, V::set1(k.beta2)));
+      const __m512 s = kVar == 4 ? V::mul(v, _mm512_rsqrt14_ps(v)) : V::sqrt(v);
+      const __m512 d1 = kVar <= 2 ? mul_f64(s, rbc) : V::mul(s, V::set1(1.0f / k.bias_correction2_sqrt));
+      const __m512 denom = V::add(d1, V::set1(k.eps));
+      const __m512 num = V::mul(V::set1(k.neg_step_size), m);
+      const __m512 u = kVar == 1 ? V::div(num, denom) : kVar == 2 ? div_f64(num, denom) : V::mul(num, _mm512_rcp14_ps(denom));
+      p = V::add(p, u);
+    }
+    V::store_bf16(P + i, p);
   }
 }
 
@@ -117,11 +99,7 @@ static PassFn kPasses[] = {pass<0>, pass<1>, pass<2>, pass<3>, pass<4>};
 static const char* kNames[] = {"exact(sqrt,div,div)", "A(sqrt,f64mul,div)", "AB(sqrt,f64mul,f64nr)",
                                "bound(sqrt,mul,rcp)", "bound(rsqrt,mul,rcp)"};
 
-static uint16_t bf16_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
+using offload_ext::bf16_round_bits;
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 218103808;
@@ -129,8 +107,16 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? std::atoi(argv[3]) : 5;
   const int inner = argc > 4 ? std::atoi(argv[4]) : 1;  // passes over a thread's chunk: >1 with a cache-sized n
   Coef c;
-  c.bc2s = std::sqrt(1.0f - std::pow(0.999f, 7.0f));
-  c.rbc2s = 1.0 / static_cast<double>(c.bc2s);
+  const float lr = 1e-4f, wd = 0.01f, beta1 = 0.9f, beta2 = 0.999f, step = 7;
+  c.k.decay = 1.0f - lr * wd;
+  c.k.apply_decay = true;
+  c.k.lerp_coef = 1.0f - beta1;
+  c.k.beta2 = beta2;
+  c.k.one_minus_beta2 = 1.0f - beta2;
+  c.k.bias_correction2_sqrt = std::sqrt(1.0f - std::pow(beta2, step));
+  c.k.eps = 1e-8f;
+  c.k.neg_step_size = -lr / (1.0f - std::pow(beta1, step));
+  c.rbc2s = 1.0 / static_cast<double>(c.k.bias_correction2_sqrt);
   // Bits: the exact variants against the divider on random state, every magnitude range of v.
   {
     const int64_t k = 1 << 22;
@@ -139,8 +125,8 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < k; ++i) {
       const float e = std::ldexp(1.0f, static_cast<int>(rng() % 120) - 100);
       auto u = [&] { return std::uniform_real_distribution<float>(-1, 1)(rng); };
-      p[i] = bf16_of(u()); g[i] = bf16_of(u() * e); m[i] = bf16_of(u() * e * 0.3f);
-      v[i] = bf16_of(std::fabs(u()) * e * e);
+      p[i] = bf16_round_bits(u()); g[i] = bf16_round_bits(u() * e); m[i] = bf16_round_bits(u() * e * 0.3f);
+      v[i] = bf16_round_bits(std::fabs(u()) * e * e);
       if (i % 97 == 0) m[i] = 0;
       if (i % 101 == 0) v[i] = 0;
     }
@@ -156,7 +142,7 @@ int main(int argc, char** argv) {
   auto* P = static_cast<uint16_t*>(std::aligned_alloc(64, n * 2));
   auto* G = static_cast<uint16_t*>(std::aligned_alloc(64, n * 2));
   auto* M = static_cast<uint16_t*>(std::aligned_alloc(64, n * 2));
-  auto* V = static_cast<uint16_t*>(std::aligned_alloc(64, n * 2));
+  auto* S = static_cast<uint16_t*>(std::aligned_alloc(64, n * 2));
   const int64_t per = (n / threads + 15) / 16 * 16;
   auto run = [&](auto fn) {
     std::vector<std::thread> ts;
@@ -171,14 +157,14 @@ int main(int argc, char** argv) {
     std::mt19937 rng(static_cast<unsigned>(a));
     for (int64_t i = a; i < a + len; ++i) {
       const float x = std::uniform_real_distribution<float>(-1, 1)(rng);
-      P[i] = bf16_of(x); G[i] = bf16_of(x * 1e-3f); M[i] = bf16_of(x * 1e-4f); V[i] = bf16_of(x * x * 1e-7f + 1e-9f);
+      P[i] = bf16_round_bits(x); G[i] = bf16_round_bits(x * 1e-3f); M[i] = bf16_round_bits(x * 1e-4f); S[i] = bf16_round_bits(x * x * 1e-7f + 1e-9f);
     }
   });
   for (int r = 0; r < reps; ++r) {
     for (int var = 0; var < 5; ++var) {
       const auto t0 = std::chrono::steady_clock::now();
       run([&](int64_t a, int64_t len) {
-        for (int k = 0; k < inner; ++k) kPasses[var](P + a, G + a, M + a, V + a, len, c);
+        for (int k = 0; k < inner; ++k) kPasses[var](P + a, G + a, M + a, S + a, len, c);
       });
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / inner;
       std::printf("rep %d %-24s %7.3f ms  %6.1f GB/s  %5.2f ns/elem/thread\n", r, kNames[var], ms, n * 10.0 / ms / 1e6,
