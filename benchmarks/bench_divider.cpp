@@ -3,15 +3,16 @@
 // clipping's scaled gradient), two exact replacements of its divisions (a float64 multiply by 1/c for the constant
 // divisor; a float64 reciprocal by rcp14 and two Newton steps for the other, lanes out of the proven range through
 // the divider), checked bit for bit against the first, and two inexact bounds (no division; no sqrt either) that
-// say what the divider costs. Standalone, AVX-512 only:
-//   g++ -O3 -march=native -ffp-contract=off -pthread benchmarks/bench_divider.cpp -o /tmp/bench_divider
+// say what the divider costs. Built with the kernel's sources (for make_coef), no torch; AVX-512 only:
+//   K=python/offload_ext/csrc; g++ -O3 -march=native -ffp-contract=off -pthread -I$K/kernels -I$K \
+//     benchmarks/bench_divider.cpp $K/kernels/adamw*.cpp $K/common/thread_pool.cpp -o /tmp/bench_divider
 //   /tmp/bench_divider N THREADS REPS [INNER]   (N elements, split over THREADS; INNER > 1 with a cache-sized N)
 // Why the float64 multiply is exact: s / c for floats s, c is never a float midpoint and lies more than 2^-49
 // (relative) from every one, while s * RN64(1/c) rounded to float64 is within 2^-52 of s / c, so both round to the
 // same float; the Newton reciprocal's product is within ~1.5 * 2^-52.
 #include <immintrin.h>
 
-#include "../python/offload_ext/csrc/kernels/adamw_avx512_vec.h"
+#include "adamw_avx512_vec.h"
 
 #include <chrono>
 #include <cmath>
@@ -60,8 +61,9 @@ static inline __m512 div_f64(__m512 n, __m512 d) {
 }
 
 struct Coef {
-  offload_ext::AdamWCoef k{};  // the kernel's coefficients (lr 1e-4, weight decay 0.01, step 7)
-  float scale = 0.37f;         // clipping's gradient scale
+  // the kernel's coefficients and memory tuning, as its dispatcher makes them
+  offload_ext::AdamWCoef k = offload_ext::make_coef({1e-4, 0.9, 0.999, 1e-8, 0.01, 7});
+  float scale = 0.37f;  // clipping's gradient scale
   double rbc2s = 0.0;          // RN64(1 / bias_correction2_sqrt)
 };
 
@@ -72,7 +74,7 @@ static void pass(uint16_t* P, const uint16_t* G, const uint16_t* M, const uint16
   const offload_ext::AdamWCoef& k = c.k;
   const __m512d rbc = _mm512_set1_pd(c.rbc2s);
   for (int64_t i = 0; i + V::W <= n; i += V::W) {
-    for (const uint16_t* a : {static_cast<const uint16_t*>(P), G, M, S}) V::prefetch(a + i + 512, 0);
+    for (const uint16_t* a : {static_cast<const uint16_t*>(P), G, M, S}) V::prefetch(a + i + k.prefetch, k.prefetch_level);
     __m512 p = V::load_bf16(P + i);
     __m512 g = offload_ext::load_grad_bf16<V, offload_ext::kGradScale>(G, nullptr, c.scale, i);
     __m512 m = V::load_bf16(M + i);
@@ -107,15 +109,6 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? std::atoi(argv[3]) : 5;
   const int inner = argc > 4 ? std::atoi(argv[4]) : 1;  // passes over a thread's chunk: >1 with a cache-sized n
   Coef c;
-  const float lr = 1e-4f, wd = 0.01f, beta1 = 0.9f, beta2 = 0.999f, step = 7;
-  c.k.decay = 1.0f - lr * wd;
-  c.k.apply_decay = true;
-  c.k.lerp_coef = 1.0f - beta1;
-  c.k.beta2 = beta2;
-  c.k.one_minus_beta2 = 1.0f - beta2;
-  c.k.bias_correction2_sqrt = std::sqrt(1.0f - std::pow(beta2, step));
-  c.k.eps = 1e-8f;
-  c.k.neg_step_size = -lr / (1.0f - std::pow(beta1, step));
   c.rbc2s = 1.0 / static_cast<double>(c.k.bias_correction2_sqrt);
   // Bits: the exact variants against the divider on random state, every magnitude range of v.
   {
