@@ -93,6 +93,25 @@ def test_a_crash_at_every_write_boundary_resumes_exactly_like_the_uninterrupted_
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-000003", "step-000004"]  # no leftovers
 
 
+# A run resumed from an older checkpoint abandons the later ones; a crash just after its first save is sealed must
+# not leave one of them the newest complete, which a plain --resume would take.
+@pytest.mark.parametrize("boundary", ["superseded", "renamed", "linked"])
+def test_a_crash_after_a_resumed_runs_first_save_resumes_from_that_save_not_the_abandoned_future(
+        tmp_path, monkeypatch, straight, boundary) -> None:
+    out = str(tmp_path / "run")
+    keep3 = [*RUN, "--keep-checkpoints", "3"]
+    train.run(train.parse_args(["--out", out, *keep3]))
+    step2 = prior_run.complete_checkpoints(out)[0][1]
+    _crash_at(monkeypatch, boundary, 3)
+    with pytest.raises(_Killed):
+        train.run(train.parse_args(["--out", out, *keep3, "--resume", step2]))
+    monkeypatch.setattr(run_dir, "crash_hook", None)
+    expected = 2 if boundary == "superseded" else 3
+    assert [s for s, _ in prior_run.complete_checkpoints(out)] == [2, 3][:expected - 1]
+    train.run(train.parse_args(["--out", out, *keep3, "--resume"]))
+    assert _losses(out) == straight
+
+
 def test_a_sigkill_in_the_middle_of_a_save_resumes_exactly(tmp_path, straight) -> None:
     out = str(tmp_path / "run")
     env = dict(os.environ, OFFLOAD_TRAIN_KILL_AT="engine:3")  # weights of step 3 written, its engine state not

@@ -13,7 +13,8 @@ A checkpoint is written into `step-N.partial/`; every file is fsync'ed, then `ma
 each file's size and sha256) is written and fsync'ed, then the directory is renamed to `step-N/` and its
 parent fsync'ed. A rename is atomic, so a directory named `step-N` always holds a manifest that was whole
 before the name existed; a crash at any point leaves either the previous complete checkpoint or the new one,
-never a mix. Older complete checkpoints are deleted only after the new one is renamed into place. Resume
+never a mix. Older complete checkpoints are deleted only after the new one is renamed into place; those of a
+resumed run's abandoned future (at and after the new step) are set aside just before it. Resume
 verifies the manifest (the set of files, sizes, hashes) and that the directory, the manifest and
 trainer_state.pt name one step."""
 from __future__ import annotations
@@ -38,8 +39,8 @@ from offload_ext.train.prior_run import LATEST, RESUME_FLAGS, checkpoints_dir, c
 # `step` the checkpoint's step); OFFLOAD_TRAIN_KILL_AT=boundary:step makes the process SIGKILL itself there.
 crash_hook: Callable[[str, int], None] | None = None
 
-BOUNDARIES = ("metrics", "weights", "engine", "tokenizer", "trainer_state", "fsynced", "manifest", "renamed",
-              "linked", "pruned")
+BOUNDARIES = ("metrics", "weights", "engine", "tokenizer", "trainer_state", "fsynced", "manifest", "superseded",
+              "renamed", "linked", "pruned")
 
 
 def boundary(name: str, step: int) -> None:
@@ -82,9 +83,14 @@ def commit(out: str, partial: str, step: int, args: dict[str, Any], keep: int) -
     write_manifest(partial, {"format": 1, "step": step, "written": _now(), "files": files,
                              "args": {k: args.get(k) for k in RESUME_FLAGS}})
     boundary("manifest", step)
+    # A run resumed from an older checkpoint (--resume PATH) supersedes the checkpoints of its abandoned future,
+    # from this step on. They go before the new one takes its name: were they left until the prune below, a crash
+    # in between would leave one of them the newest complete, and a plain --resume would take it.
+    for later, path in complete_checkpoints(out):
+        if later >= step:
+            _set_aside(path)
+    boundary("superseded", step)
     final = final_path(out, step)
-    if os.path.exists(final):  # of a run resumed from an older checkpoint (--resume PATH): superseded
-        _set_aside(final)
     os.rename(partial, final)
     fsync_path(checkpoints_dir(out), directory=True)
     boundary("renamed", step)
@@ -130,16 +136,13 @@ def _set_aside(path: str) -> str:
 
 
 def _prune(out: str, keep: int, step: int) -> None:
-    """Delete complete checkpoints beyond the newest `keep`, oldest first, and stale partial ones. Those of
-    later steps than `step` belong to the run's abandoned future (it was resumed from an older checkpoint):
-    `--resume` must not pick them, so they go first."""
+    """Delete complete checkpoints beyond the newest `keep`, oldest first, then what was set aside and stale
+    partial ones."""
     complete = complete_checkpoints(out)
-    later = [c for c in complete if c[0] > step]
-    earlier = [c for c in complete if c[0] <= step]
-    for _, path in later + earlier[:max(0, len(earlier) - keep)]:
+    for _, path in complete[:max(0, len(complete) - keep)]:
         shutil.rmtree(_set_aside(path))
         boundary("pruned", step)
     root = checkpoints_dir(out)
     for name in os.listdir(root):
-        if name.endswith((".deleting", ".partial")):  # a crash's leftovers: never read
+        if name.endswith((".deleting", ".partial")):  # superseded, or a crash's leftovers: never read
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
