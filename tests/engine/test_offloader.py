@@ -256,6 +256,11 @@ def test_saved_nbytes_is_the_tensor_data_save_state_and_save_pretrained_write(tm
     assert off.saved_nbytes(weights=False) == state
     weights = off.save_pretrained(str(tmp_path / "weights"))
     assert off.saved_nbytes() == state + sum(_tensor_bytes(path) for path in weights)
+    # with a filter: the names it accepts (a LoRA adapter saved alone), counted without copying them
+    attention = off.model_state_dict(include=lambda name: ".self_attn." in name)
+    assert attention
+    assert off.saved_nbytes(include=lambda name: ".self_attn." in name) == state + sum(
+        t.numel() * t.element_size() for t in attention.values())
     off.close()
 
 

@@ -73,14 +73,16 @@ class StateIO:
         torch.save(self._small_state(self._device_opt.skeleton()), small + ".partial")
         os.replace(small + ".partial", small)
 
-    def saved_nbytes(self, weights: bool = True) -> int:
+    def saved_nbytes(self, weights: bool = True, include: Callable[[str], bool] | None = None) -> int:
         """The tensor bytes save_state (and, with `weights`, save_pretrained) would write now: what a checkpoint of
-        this Offloader takes on disk, its small files aside. The device optimizer's state counts once it exists
-        (after the first step)."""
+        this Offloader takes on disk, its small files aside; with `include`, of the weights only the names it
+        accepts count (model_state_dict's filter: a LoRA adapter saved alone). Nothing is copied. The device
+        optimizer's state counts once it exists (after the first step)."""
         self._check_open()
         sources = [*host_sources(self._host), *self._device_opt.tensor_sources()]
         if weights:
-            sources += weight_sources(self.model, self.layout, self._host)
+            sources += [(name, source) for name, source in weight_sources(self.model, self.layout, self._host)
+                        if include is None or include(name)]
         return sum(source.nbytes for _, source in sources)
 
     def load_state(self, path: str) -> None:

@@ -161,11 +161,8 @@ class Trainer:
     def checkpoint_estimate(self) -> int:
         """About the bytes a checkpoint of this run takes (the tensors _save writes; its small files aside): known
         once the first step has made the optimizers' state."""
-        if self.off is not None and self.config.adapter_only:
-            adapter = self.off.model_state_dict(include=is_adapter)
-            return self.off.saved_nbytes(weights=False) + _nbytes(adapter.values())
         if self.off is not None:
-            return self.off.saved_nbytes()
+            return self.off.saved_nbytes(include=is_adapter if self.config.adapter_only else None)
         moments = (t for state in self.opt.state.values() for t in state.values() if isinstance(t, torch.Tensor))
         weights = _nbytes(self.model.state_dict().values())
         return 2 * weights + _nbytes(moments)  # the safetensors file; trainer_state.pt's copy and the moments
