@@ -1,15 +1,19 @@
 // How much of the bf16 params pass after clipping (p, g, m, v read, p written) is the divider's (a sqrt and two
 // divisions a vector of 16), on this CPU: the pass as the kernel does it (adamw_update.h's arithmetic with
-// clipping's scaled gradient), two exact replacements of its divisions (a float64 multiply by 1/c for the constant
-// divisor; a float64 reciprocal by rcp14 and two Newton steps for the other, lanes out of the proven range through
-// the divider), checked bit for bit against the first, and two inexact bounds (no division; no sqrt either) that
-// say what the divider costs. Built with the kernel's sources (for make_coef), no torch; AVX-512 only:
+// clipping's scaled gradient), replacements of its divisions (a float64 multiply by 1/c for the constant divisor; a
+// float64 reciprocal by rcp14 and two Newton steps for the other, lanes out of the proven range through the
+// divider; in float, the product by RN(1/c) and one Markstein correction for the constant divisor, and the same
+// after an rcp14 reciprocal with two Newton steps for the other), checked bit for bit against the first on random
+// state, and two inexact bounds (no division; no sqrt either) that say what the divider costs. Built with the kernel's sources (for make_coef), no torch; AVX-512 only:
 //   K=python/offload_ext/csrc; g++ -O3 -march=native -ffp-contract=off -pthread -I$K/kernels -I$K \
 //     benchmarks/bench_divider.cpp $K/kernels/adamw*.cpp $K/common/thread_pool.cpp -o /tmp/bench_divider
 //   /tmp/bench_divider N THREADS REPS [INNER]   (N elements, split over THREADS; INNER > 1 with a cache-sized N)
 // Why the float64 multiply is exact: s / c for floats s, c is never a float midpoint and lies more than 2^-49
 // (relative) from every one, while s * RN64(1/c) rounded to float64 is within 2^-52 of s / c, so both round to the
-// same float; the Newton reciprocal's product is within ~1.5 * 2^-52.
+// same float; the Newton reciprocal's product is within ~1.5 * 2^-52. The float correction for the constant divisor
+// gave the division's bits for every float x in [2^-100, 2^64) (sqrt(v)'s range for a finite v of bf16 state: its
+// remainder is never subnormal there) at nine step counts' c, checked exhaustively on the CPU machine; the one for
+// the varying divisor is only checked on the random state below (it is a speed probe, not a proven rule).
 #include <immintrin.h>
 
 #include "adamw_avx512_vec.h"
@@ -60,11 +64,29 @@ static inline __m512 div_f64(__m512 n, __m512 d) {
   return q;
 }
 
+// x / c for the constant c in float, with y = RN(1/c): the product, then one correction by the exact remainder
+// (Markstein's step); the lanes where x is infinite (the remainder a NaN) take the product's infinity.
+static inline __m512 div_const_fma(__m512 x, __m512 c, __m512 y) {
+  const __m512 q = _mm512_mul_ps(x, y);
+  const __m512 q1 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, c, x), y, q);
+  return _mm512_mask_mov_ps(q1, _mm512_fpclass_ps_mask(q, 0x18), q);
+}
+// n / d in float: rcp14 and two Newton steps for 1/d, the product, one correction by the exact remainder.
+static inline __m512 div_fma(__m512 n, __m512 d) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 y = _mm512_rcp14_ps(d);
+  y = _mm512_fmadd_ps(y, _mm512_fnmadd_ps(d, y, one), y);
+  y = _mm512_fmadd_ps(y, _mm512_fnmadd_ps(d, y, one), y);
+  const __m512 q = _mm512_mul_ps(n, y);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, n), y, q);
+}
+
 struct Coef {
   // the kernel's coefficients and memory tuning, as its dispatcher makes them
   offload_ext::AdamWCoef k = offload_ext::make_coef({1e-4, 0.9, 0.999, 1e-8, 0.01, 7});
   float scale = 0.37f;  // clipping's gradient scale
   double rbc2s = 0.0;          // RN64(1 / bias_correction2_sqrt)
+  float rbc2s_f32 = 0.0f;      // RN(1 / bias_correction2_sqrt)
 };
 
 // Variant 0 is the kernel's own update (adamw_update.h) on the kernel's scaled-gradient read; the others spell
@@ -86,10 +108,15 @@ static void pass(uint16_t* P, const uint16_t* G, const uint16_t* M, const uint16
       m = V::fmadd(V::set1(k.lerp_coef), V::sub(g, m), m);
       v = V::fmadd(V::mul(V::set1(k.one_minus_beta2), g), g, V::mul(v, V::set1(k.beta2)));
       const __m512 s = kVar == 4 ? V::mul(v, _mm512_rsqrt14_ps(v)) : V::sqrt(v);
-      const __m512 d1 = kVar <= 2 ? mul_f64(s, rbc) : V::mul(s, V::set1(1.0f / k.bias_correction2_sqrt));
+      const __m512 d1 = kVar <= 2   ? mul_f64(s, rbc)
+                        : kVar >= 5 ? div_const_fma(s, V::set1(k.bias_correction2_sqrt), V::set1(c.rbc2s_f32))
+                                    : V::mul(s, V::set1(1.0f / k.bias_correction2_sqrt));
       const __m512 denom = V::add(d1, V::set1(k.eps));
       const __m512 num = V::mul(V::set1(k.neg_step_size), m);
-      const __m512 u = kVar == 1 ? V::div(num, denom) : kVar == 2 ? div_f64(num, denom) : V::mul(num, _mm512_rcp14_ps(denom));
+      const __m512 u = kVar == 1 || kVar == 5 ? V::div(num, denom)
+                       : kVar == 2             ? div_f64(num, denom)
+                       : kVar == 6             ? div_fma(num, denom)
+                                               : V::mul(num, _mm512_rcp14_ps(denom));
       p = V::add(p, u);
     }
     V::store_bf16(P + i, p);
@@ -97,9 +124,11 @@ static void pass(uint16_t* P, const uint16_t* G, const uint16_t* M, const uint16
 }
 
 using PassFn = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, const Coef&);
-static PassFn kPasses[] = {pass<0>, pass<1>, pass<2>, pass<3>, pass<4>};
+static PassFn kPasses[] = {pass<0>, pass<1>, pass<2>, pass<3>, pass<4>, pass<5>, pass<6>};
 static const char* kNames[] = {"exact(sqrt,div,div)", "A(sqrt,f64mul,div)", "AB(sqrt,f64mul,f64nr)",
-                               "bound(sqrt,mul,rcp)", "bound(rsqrt,mul,rcp)"};
+                               "bound(sqrt,mul,rcp)", "bound(rsqrt,mul,rcp)", "C(sqrt,fmadiv,div)",
+                               "CD(sqrt,fmadiv,fmanr)"};
+constexpr int kVariants = 7;
 
 using offload_ext::bf16_round_bits;
 
@@ -110,6 +139,7 @@ int main(int argc, char** argv) {
   const int inner = argc > 4 ? std::atoi(argv[4]) : 1;  // passes over a thread's chunk: >1 with a cache-sized n
   Coef c;
   c.rbc2s = 1.0 / static_cast<double>(c.k.bias_correction2_sqrt);
+  c.rbc2s_f32 = static_cast<float>(c.rbc2s);
   // Bits: the exact variants against the divider on random state, every magnitude range of v.
   {
     const int64_t k = 1 << 22;
@@ -123,7 +153,7 @@ int main(int argc, char** argv) {
       if (i % 97 == 0) m[i] = 0;
       if (i % 101 == 0) v[i] = 0;
     }
-    for (int var = 1; var <= 2; ++var) {
+    for (int var : {1, 2, 5, 6}) {
       std::vector<uint16_t> a = p, b = p;
       pass<0>(a.data(), g.data(), m.data(), v.data(), k, c);
       kPasses[var](b.data(), g.data(), m.data(), v.data(), k, c);
@@ -154,7 +184,7 @@ int main(int argc, char** argv) {
     }
   });
   for (int r = 0; r < reps; ++r) {
-    for (int var = 0; var < 5; ++var) {
+    for (int var = 0; var < kVariants; ++var) {
       const auto t0 = std::chrono::steady_clock::now();
       run([&](int64_t a, int64_t len) {
         for (int k = 0; k < inner; ++k) kPasses[var](P + a, G + a, M + a, S + a, len, c);
