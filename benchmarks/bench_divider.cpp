@@ -8,11 +8,13 @@
 //   K=python/offload_ext/csrc; g++ -O3 -march=native -ffp-contract=off -pthread -I$K/kernels -I$K \
 //     benchmarks/bench_divider.cpp $K/kernels/adamw*.cpp $K/common/thread_pool.cpp -o /tmp/bench_divider
 //   /tmp/bench_divider N THREADS REPS [INNER]   (N elements, split over THREADS; INNER > 1 with a cache-sized N)
+//   /tmp/bench_divider check COUNT SEED          (the float correction against the division, below)
 // Why the float64 multiply is exact: s / c for floats s, c is never a float midpoint and lies more than 2^-49
 // (relative) from every one, while s * RN64(1/c) rounded to float64 is within 2^-52 of s / c, so both round to the
 // same float; the Newton reciprocal's product is within ~1.5 * 2^-52. The float correction for the constant divisor
 // gave the division's bits for every float x in [2^-100, 2^64) (sqrt(v)'s range for a finite v of bf16 state: its
-// remainder is never subnormal there) at nine step counts' c, checked exhaustively on the CPU machine; the one for
+// remainder is never subnormal there) at nine step counts' c, checked exhaustively on the CPU machine, and for
+// every x significand at 200,000 random c significands (`check 200000 7`); the one for
 // the varying divisor is only checked on the random state below (it is a speed probe, not a proven rule).
 #include <immintrin.h>
 
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
@@ -132,7 +135,34 @@ constexpr int kVariants = 7;
 
 using offload_ext::bf16_round_bits;
 
+// The float correction for the constant divisor against the division, for COUNT random significands of c (the
+// first 1 - 2^-24) and every significand of x: both sides scale exactly by powers of two where nothing is
+// subnormal or overflows, so this covers every x in that range for those c. Returns the lanes that differ.
+static int64_t check_div_const(int count, unsigned seed) {
+  std::mt19937 rng(seed);
+  int64_t differ = 0;
+  for (int k = 0; k < count; ++k) {
+    const uint32_t bits = k == 0 ? 0x3f7fffffu : 0x3f000000u | (rng() & 0x7fffffu);  // c in [0.5, 1)
+    float c;
+    std::memcpy(&c, &bits, sizeof(c));
+    const __m512 C = _mm512_set1_ps(c), Y = _mm512_set1_ps(static_cast<float>(1.0 / static_cast<double>(c)));
+    for (uint32_t x0 = 0x3f800000u; x0 < 0x40000000u; x0 += 16) {
+      const __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(x0)),
+                                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+      differ += __builtin_popcount(_mm512_cmpneq_epi32_mask(_mm512_castps_si512(div_const_fma(x, C, Y)),
+                                                            _mm512_castps_si512(_mm512_div_ps(x, C))));
+    }
+  }
+  return differ;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "check") == 0) {  // bench_divider check COUNT SEED
+    const int count = argc > 2 ? std::atoi(argv[2]) : 1000;
+    std::printf("float correction, %d c significands x every x significand: %lld lanes differ from the division\n",
+                count, static_cast<long long>(check_div_const(count, argc > 3 ? std::atoi(argv[3]) : 1)));
+    return 0;
+  }
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 218103808;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 14;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 5;
