@@ -4,7 +4,8 @@
 // float64 reciprocal by rcp14 and two Newton steps for the other, lanes out of the proven range through the
 // divider; in float, the product by RN(1/c) and one Markstein correction for the constant divisor, and the same
 // after an rcp14 reciprocal with two Newton steps for the other), checked bit for bit against the first on random
-// state, and two inexact bounds (no division; no sqrt either) that say what the divider costs. Built with the kernel's sources (for make_coef), no torch; AVX-512 only:
+// state, and two inexact bounds (no division; no sqrt either) that say what the divider costs. Built with the
+// kernel's sources (for make_coef), no torch; AVX-512 only:
 //   K=python/offload_ext/csrc; g++ -O3 -march=native -ffp-contract=off -pthread -I$K/kernels -I$K \
 //     benchmarks/bench_divider.cpp $K/kernels/adamw*.cpp $K/common/thread_pool.cpp -o /tmp/bench_divider
 //   /tmp/bench_divider N THREADS REPS [INNER]   (N elements, split over THREADS; INNER > 1 with a cache-sized N)
@@ -26,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <thread>
 #include <vector>
@@ -131,7 +133,7 @@ static PassFn kPasses[] = {pass<0>, pass<1>, pass<2>, pass<3>, pass<4>, pass<5>,
 static const char* kNames[] = {"exact(sqrt,div,div)", "A(sqrt,f64mul,div)", "AB(sqrt,f64mul,f64nr)",
                                "bound(sqrt,mul,rcp)", "bound(rsqrt,mul,rcp)", "C(sqrt,fmadiv,div)",
                                "CD(sqrt,fmadiv,fmanr)"};
-constexpr int kVariants = 7;
+constexpr int kVariants = static_cast<int>(std::size(kPasses));
 
 using offload_ext::bf16_round_bits;
 
@@ -147,8 +149,7 @@ static int64_t check_div_const(int count, unsigned seed) {
     std::memcpy(&c, &bits, sizeof(c));
     const __m512 C = _mm512_set1_ps(c), Y = _mm512_set1_ps(static_cast<float>(1.0 / static_cast<double>(c)));
     for (uint32_t x0 = 0x3f800000u; x0 < 0x40000000u; x0 += 16) {
-      const __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(x0)),
-                                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+      const __m512 x = _mm512_castsi512_ps(V::iota(x0));
       differ += __builtin_popcount(_mm512_cmpneq_epi32_mask(_mm512_castps_si512(div_const_fma(x, C, Y)),
                                                             _mm512_castps_si512(_mm512_div_ps(x, C))));
     }
